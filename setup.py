@@ -1,0 +1,56 @@
+"""Builds pagedllm; builds the csrc/ kernels as pagedllm._C when a CUDA or ROCm torch and compiler exist."""
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extensions() -> tuple[list, dict]:
+    """The GPU extension and its build command, or nothing on a CPU-only machine."""
+    if os.environ.get("PAGEDLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return [], {}
+    sys.path.insert(0, os.path.join(ROOT, "csrc"))
+    try:
+        import setup_ext  # type: ignore[import-not-found]
+    except ImportError:
+        return [], {}
+    finally:
+        sys.path.pop(0)
+    exts = setup_ext.get_extensions()
+    return exts, (setup_ext.get_cmdclass() if exts else {})
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="pagedllm",
+    version="0.1.0",
+    description="LLM inference and serving with a paged KV cache on many hardware backends",
+    packages=find_packages(include=["pagedllm", "pagedllm.*"]),
+    package_data={"pagedllm": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.45",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "tqdm",
+        "fastapi",
+        "uvicorn",
+        "pydantic>=2",
+        "prometheus-client",
+        "jinja2",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "openai", "httpx"],
+        "ray": ["ray"],
+    },
+    entry_points={"console_scripts": ["pagedllm=pagedllm.entrypoints.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
