@@ -1,0 +1,182 @@
+"""One engine (or the GEMM probe) in its own process: ``python _peers.py SPEC.json RESULT.json``.
+
+Started by throughput.py, possibly under another interpreter (the vLLM venv), so this module
+imports only the standard library at top level; each runner imports its engine lazily.
+
+SPEC keys: backend, model, dtype, device, seed, load_format, prompts (list of token-id lists),
+output_len, warmup_prompts, hf_batch_size, kv_cache_gib.  RESULT keys: backend, version,
+device, load_s, warmup_s, elapsed_s, token_ids (one list per prompt), or error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+logger = logging.getLogger("peers")
+
+Spec = dict[str, Any]
+Result = dict[str, Any]
+WARMUP_TOKENS = 16
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _generate_vllm_api(llm: Any, params_cls: Any, spec: Spec) -> tuple[float, float, list]:
+    """Warm up, then time ``llm.generate`` over all prompts with the vLLM offline API."""
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    n = spec["output_len"]
+    warm = params_cls(temperature=0.0, max_tokens=min(n, WARMUP_TOKENS), ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts[: spec["warmup_prompts"]], warm, use_tqdm=False)
+    warmup_s = time.perf_counter() - start
+    params = params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - start
+    return warmup_s, elapsed_s, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_vllm(spec: Spec) -> Result:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"], max_num_seqs=256,
+              load_format=spec["load_format"])
+    load_s = time.perf_counter() - start
+    warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
+    return dict(version=vllm.__version__, device=current_platform.device_type,
+                load_s=load_s, warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+
+
+def run_pagedllm(spec: Spec) -> Result:
+    import pagedllm
+    from pagedllm import LLM, SamplingParams
+
+    device = _resolve_device(spec["device"])
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], device=device, max_num_seqs=256,
+              load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"],
+              seed=spec["seed"])
+    load_s = time.perf_counter() - start
+    warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
+    return dict(version=getattr(pagedllm, "__version__", "unknown"), device=device,
+                load_s=load_s, warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], n: int, batch: int, pad: int) -> list:
+    """Greedy, exactly ``n`` new tokens per prompt, on left-padded batches."""
+    import torch
+
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [batch, width]
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad)
+        out.extend(gen[:, width:].tolist())
+    return out
+
+
+def run_hf(spec: Spec) -> Result:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = _resolve_device(spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    start = time.perf_counter()
+    if spec["load_format"] == "dummy":
+        torch.manual_seed(spec["seed"])
+        config = AutoConfig.from_pretrained(spec["model"])
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    model = model.to(device).eval()
+    load_s = time.perf_counter() - start
+    prompts, n = spec["prompts"], spec["output_len"]
+    batch = spec["hf_batch_size"] or len(prompts)
+    pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    start = time.perf_counter()
+    _hf_generate(model, prompts[: spec["warmup_prompts"]], min(n, WARMUP_TOKENS), batch, pad)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    token_ids = _hf_generate(model, prompts, n, batch, pad)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elapsed_s = time.perf_counter() - start
+    return dict(version=transformers.__version__, device=device, load_s=load_s,
+                warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+
+
+def run_gemm(spec: Spec) -> Result:
+    """Best-of-5 rate of an n x n x n torch.mm per dtype, in GFLOP/s (2 n^3 FLOPs per mm)."""
+    import torch
+
+    device = _resolve_device(spec["device"])
+    n = spec.get("gemm_size", 2048)
+    rates: dict[str, float] = {}
+    for name in spec["gemm_dtypes"]:
+        a = torch.randn(n, n, device=device).to(getattr(torch, name))
+        b = torch.randn(n, n, device=device).to(getattr(torch, name))
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(5):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2 * n**3 / best / 1e9
+    return dict(version=torch.__version__, device=device, gemm_size=n,
+                gemm_gflops=rates, threads=torch.get_num_threads())
+
+
+RUNNERS: dict[str, Callable[[Spec], Result]] = {
+    "hf": run_hf, "vllm": run_vllm, "pagedllm": run_pagedllm, "gemm": run_gemm,
+}
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    spec_path, result_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    backend = spec["backend"]
+    try:
+        result = RUNNERS[backend](spec)
+        code = 0
+    except ImportError as e:
+        result, code = dict(error=f"{backend} not installed ({e})", skipped=True), 0
+    except Exception as e:  # reported to the parent, which carries on with the other engines
+        traceback.print_exc()
+        result, code = dict(error=f"{type(e).__name__}: {e}"), 1
+    result["backend"] = backend
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+// One source tree for CUDA and ROCm: kernel files spell CUDA names and this header maps them to HIP
+// when USE_ROCM is defined. Kernel files include nothing else from a vendor SDK and never torch.
+//
+// Two parts:
+//   * host part (always): runtime API names (streams, errors, memcpy). Safe to include from a plain
+//     C++ translation unit such as torch_bindings.cpp.
+//   * device part (only under nvcc / hipcc): 16-bit float types, warp shuffles, WARP_SIZE, inline
+//     qualifiers. The conversion helpers built on top of it live in dtype_convert.cuh.
+//
+// The macros below are hipify-safe: torch's hipify may rewrite `cudaStream_t` into `hipStream_t`
+// inside this file, which turns `#define cudaStream_t hipStream_t` into a harmless self-definition.
+#pragma once
+
+#include <cstdint>
+
+#if defined(USE_ROCM)
+  #include <hip/hip_runtime_api.h>
+  #define cudaStream_t hipStream_t
+  #define cudaError_t hipError_t
+  #define cudaSuccess hipSuccess
+  #define cudaErrorInvalidValue hipErrorInvalidValue
+  #define cudaGetLastError hipGetLastError
+  #define cudaGetErrorString hipGetErrorString
+  #define cudaMemcpyAsync hipMemcpyAsync
+  #define cudaMemcpyKind hipMemcpyKind
+  #define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+  #define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+  #define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+  #define cudaMemcpyDefault hipMemcpyDefault
+#elif !defined(PAGEDLLM_SIMT_EMU)
+  #include <cuda_runtime_api.h>
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Device part.
+// ---------------------------------------------------------------------------------------------
+#if defined(__CUDACC__) || defined(__HIPCC__)
+
+#if defined(USE_ROCM)
+  #include <hip/hip_runtime.h>
+  #include <hip/hip_fp16.h>
+  #if __has_include(<hip/hip_bf16.h>)
+    #include <hip/hip_bf16.h>
+    typedef __hip_bfloat16 pl_bf16;
+  #else
+    // ROCm < 5.7 (Debian's HIP 5.2) only has the hip_bfloat16 struct; we only use it as storage.
+    #include <hip/hip_bfloat16.h>
+    typedef hip_bfloat16 pl_bf16;
+  #endif
+  typedef __half pl_half;
+  // CDNA (gfx90a, gfx942) runs 64-wide wavefronts; RDNA wave32 builds are not supported.
+  #define WARP_SIZE 64
+#else
+  #include <cuda_runtime.h>
+  #include <cuda_fp16.h>
+  #include <cuda_bf16.h>
+  typedef __half pl_half;
+  typedef __nv_bfloat16 pl_bf16;
+  #define WARP_SIZE 32
+#endif
+
+#define PL_DEVICE __device__ __forceinline__
+
+// HIP assumes 1024 threads per block without a bound (which caps registers per lane), so kernels
+// state their block size there. On CUDA the bound is left out: with it ptxas picked a lower register
+// budget and spilled the decode kernel.
+#if defined(USE_ROCM)
+  #define PL_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
+#else
+  #define PL_LAUNCH_BOUNDS(threads)
+#endif
+
+// Butterfly exchange inside groups of `width` lanes (width is a power of two <= WARP_SIZE).
+// Every lane of the warp must execute the call (full-mask semantics on CUDA).
+PL_DEVICE float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
+#if defined(USE_ROCM)
+  return __shfl_xor(value, lane_mask, width);
+#else
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask, width);
+#endif
+}
+
+PL_DEVICE float pl_uint_as_float(uint32_t bits) { return __uint_as_float(bits); }
+PL_DEVICE uint32_t pl_float_as_uint(float value) { return __float_as_uint(value); }
+
+#endif  // __CUDACC__ || __HIPCC__
+
+// Kernel launches go through this one helper so the launch syntax lives in a single place.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+namespace pagedllm {
+template <typename... KernelArgs, typename... Args>
+inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                          Args... args) {
+  kernel<<<grid, block, 0, stream>>>(static_cast<KernelArgs>(args)...);
+}
+}  // namespace pagedllm
+#endif

@@ -1,0 +1,134 @@
+// Torch-free launcher API of the pagedllm kernels. Implemented in paged_attention.cu and
+// cache_kernels.cu; called from torch_bindings.cpp (the only file that knows about torch).
+//
+// Conventions: pointers are raw device pointers (host pointers where stated), strides are in
+// ELEMENTS of the tensor's dtype, the last dimension of every tensor is contiguous, and every
+// launcher enqueues work on `stream` and returns the launch status (cudaSuccess when fine).
+// Launchers allocate nothing and do not synchronize.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda_compat.h"
+
+namespace pagedllm {
+
+enum class ScalarType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline int scalar_type_size(ScalarType dtype) { return dtype == ScalarType::kFloat32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------------------------
+// Paged decode attention (one query token per sequence).
+// ---------------------------------------------------------------------------------------------
+
+// Tokens per partition of the context. A sequence longer than this is split over several thread
+// blocks whose partial results a second (reduce) kernel combines.
+constexpr int kPartitionSize = 512;
+
+inline int paged_attention_num_partitions(int max_seq_len) {
+  return max_seq_len <= 0 ? 1 : (max_seq_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+// Head sizes the decode kernel is compiled for.
+inline bool paged_attention_supports_head_size(int head_size) {
+  return head_size == 64 || head_size == 80 || head_size == 96 || head_size == 112 ||
+         head_size == 128 || head_size == 256;
+}
+
+// Any power of two works (a token's block is `pos >> log2(block_size)`); 16 and 32 are tested.
+inline bool paged_attention_supports_block_size(int block_size) {
+  return block_size > 0 && (block_size & (block_size - 1)) == 0;
+}
+
+struct PagedAttentionArgs {
+  ScalarType dtype;               // of out, query, key_cache and value_cache
+  void* out;                      // [num_seqs, num_heads, head_size]
+  int64_t out_seq_stride;
+  int64_t out_head_stride;
+  const void* query;              // [num_seqs, num_heads, head_size]
+  int64_t q_seq_stride;
+  int64_t q_head_stride;
+  const void* key_cache;          // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t k_block_stride;
+  int64_t k_token_stride;
+  int64_t k_head_stride;
+  const void* value_cache;        // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t v_block_stride;
+  int64_t v_token_stride;
+  int64_t v_head_stride;
+  const int32_t* block_tables;    // [num_seqs, max_num_blocks_per_seq]
+  int64_t block_tables_stride;
+  int max_num_blocks_per_seq;
+  const int32_t* seq_lens;        // [num_seqs]; tokens of context including the current one
+  // Partition buffers, used (and required) only when paged_attention_num_partitions(max_seq_len) > 1.
+  // All contiguous float32.
+  float* tmp_out;                 // [num_seqs, num_heads, num_partitions, head_size]
+  float* exp_sums;                // [num_seqs, num_heads, num_partitions]
+  float* max_logits;              // [num_seqs, num_heads, num_partitions]
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;               // divides num_heads
+  int head_size;
+  int block_size;
+  int num_blocks;                 // block ids outside [0, num_blocks) are treated as masked tokens
+  int max_seq_len;                // >= every seq_len; longer sequences are truncated to it
+  float scale;
+};
+
+// All pointers and strides must be aligned to 16 bytes (the kernel uses 16-byte vector loads).
+cudaError_t launch_paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// KV-cache maintenance.
+// ---------------------------------------------------------------------------------------------
+
+struct ReshapeAndCacheArgs {
+  ScalarType dtype;               // of key, value and both caches
+  const void* key;                // [num_tokens, num_kv_heads, head_size]
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  const void* value;              // [num_tokens, num_kv_heads, head_size]
+  int64_t value_token_stride;
+  int64_t value_head_stride;
+  void* key_cache;                // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t kc_block_stride;
+  int64_t kc_token_stride;
+  int64_t kc_head_stride;
+  void* value_cache;              // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t vc_block_stride;
+  int64_t vc_token_stride;
+  int64_t vc_head_stride;
+  const int64_t* slot_mapping;    // [num_tokens]; slot = block * block_size + offset
+  int num_tokens;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int64_t num_blocks;
+};
+
+// Negative slots are padding and skipped; slots >= num_blocks * block_size are skipped as well
+// (the kernel never writes outside the caches).
+cudaError_t launch_reshape_and_cache(const ReshapeAndCacheArgs& args, cudaStream_t stream);
+
+struct CopyBlocksArgs {
+  const int64_t* key_cache_ptrs;    // device array [num_layers] of key-cache base addresses
+  const int64_t* value_cache_ptrs;  // device array [num_layers] of value-cache base addresses
+  const int64_t* block_mapping;     // device [num_pairs, 2] (src, dst), contiguous
+  int num_layers;
+  int64_t num_pairs;
+  int64_t block_stride_bytes;       // distance between consecutive blocks of one cache
+  int64_t block_bytes;              // bytes of one block (contiguous)
+  int64_t num_blocks;               // pairs with an id outside [0, num_blocks) are skipped
+};
+
+// Copies block src -> dst in the key and value cache of every layer, in one launch.
+cudaError_t launch_copy_blocks(const CopyBlocksArgs& args, cudaStream_t stream);
+
+// One cudaMemcpyAsync of block_bytes per pair of the HOST array block_mapping [num_pairs, 2].
+// The caller has validated the block ids.
+cudaError_t launch_swap_blocks(const void* src, void* dst, int64_t src_block_stride_bytes,
+                               int64_t dst_block_stride_bytes, int64_t block_bytes,
+                               const int64_t* block_mapping, int64_t num_pairs, cudaMemcpyKind kind,
+                               cudaStream_t stream);
+
+}  // namespace pagedllm

@@ -1,0 +1,34 @@
+"""pagedllm: LLM inference and serving with a paged KV cache on many hardware backends."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.version import __version__
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.llm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
+
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
+           "RequestOutput", "CompletionOutput", "__version__"]
+
+_LAZY = {
+    "LLM": "pagedllm.engine.llm",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "EngineArgs": "pagedllm.engine.arg_utils",
+    "AsyncEngineArgs": "pagedllm.engine.arg_utils",
+    "AsyncLLMEngine": "pagedllm.engine.async_engine",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Engine classes import torch; load them on first use so `import pagedllm` stays light."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

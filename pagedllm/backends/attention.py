@@ -1,0 +1,115 @@
+"""The attention part of the plugin contract: metadata and the AttentionImpl template."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one step's tokens to every attention layer (passed as an argument, never global).
+
+    Tokens are laid out prefills first: the first ``num_prefill_tokens`` rows belong to
+    ``num_prefills`` sequences whose new tokens are packed back to back (``query_start_loc``);
+    the remaining ``num_decode_tokens`` rows are one token per decoding sequence. Sequence ``i``
+    of the prefill part already has ``prefill_context_lens[i]`` tokens in the cache (prefix cache
+    hits or earlier chunks) and ``prefill_seq_lens[i]`` tokens once this step's are written.
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64; slot = block * block_size + offset; -1 = pad
+    block_size: int
+    # prefill part
+    query_start_loc: torch.Tensor  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_context_lens: torch.Tensor  # [num_prefills] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    max_prefill_query_len: int
+    max_prefill_seq_len: int
+    # decode part
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, including the current token
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    max_decode_seq_len: int
+    # host-side copies, for implementations that need Python ints
+    prefill_query_lens_list: list[int] = field(default_factory=list)
+    prefill_seq_lens_list: list[int] = field(default_factory=list)
+    prefill_context_lens_list: list[int] = field(default_factory=list)
+    decode_seq_lens_list: list[int] = field(default_factory=list)
+    # free-form per-backend extras (bucket sizes, flattened block lists, ...)
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_decode_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class AttentionImpl(ABC):
+    """Paged attention for one layer shape on one backend.
+
+    The template ``forward`` writes this step's K/V into the cache, then runs ``prefill`` on the
+    prefill rows and ``decode`` on the decode rows. A plugin implements ``kv_cache_shape``,
+    ``write_kv``, ``prefill`` and ``decode``; it may override ``forward`` to fuse them.
+    """
+
+    name = "base"
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @staticmethod
+    @abstractmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor; dim 1 must index blocks (copy/swap rely on it)."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        """Store ``key``/``value`` [num_tokens, num_kv_heads, head_size] at metadata.slot_mapping."""
+
+    @abstractmethod
+    def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the prefill rows over cached context plus the new tokens.
+
+        ``query`` [num_prefill_tokens, num_heads, head_size]; ``key``/``value`` are the new tokens'
+        K/V (already written to the cache). Returns [num_prefill_tokens, num_heads, head_size].
+        """
+
+    @abstractmethod
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence over its cached context. [num_decodes, num_heads, head_size]."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """``query`` [T, num_heads*head_size], ``key``/``value`` [T, num_kv_heads*head_size]."""
+        t = query.shape[0]
+        q = query.view(t, self.num_heads, self.head_size)
+        k = key.view(t, self.num_kv_heads, self.head_size)
+        v = value.view(t, self.num_kv_heads, self.head_size)
+        self.write_kv(k, v, kv_cache, metadata)
+        p = metadata.num_prefill_tokens
+        if metadata.num_decode_tokens == 0:
+            out = self.prefill(q[:p], kv_cache, metadata, k[:p], v[:p])
+        elif p == 0:
+            out = self.decode(q[p:p + metadata.num_decode_tokens], kv_cache, metadata)
+        else:
+            out = torch.cat([self.prefill(q[:p], kv_cache, metadata, k[:p], v[:p]),
+                             self.decode(q[p:p + metadata.num_decode_tokens], kv_cache, metadata)])
+        if out.shape[0] < t:  # padded rows (static-shape backends) produce zeros
+            out = torch.cat([out, out.new_zeros((t - out.shape[0],) + out.shape[1:])])
+        return out.reshape(t, self.num_heads * self.head_size)

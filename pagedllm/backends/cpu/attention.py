@@ -1,0 +1,83 @@
+"""Paged attention in vectorized torch: the reference every other backend is compared to.
+
+No Python loop per token or per sequence: decode gathers each sequence's blocks through its block
+table in one indexing op; prefill pads the packed queries to [num_prefills, max_query_len].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, kv_heads, D], tables [B, nb] -> [B, kv_heads, nb*bs, D]."""
+    b, nb = block_tables.shape
+    g = cache[block_tables.long()]  # [B, nb, bs, kvH, D]
+    return g.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+class TorchPagedAttention(AttentionImpl):
+    name = "torch"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        slots = metadata.slot_mapping
+        n = key.shape[0]
+        if slots.shape[0] != n:
+            raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {n} tokens")
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
+        k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        tables = metadata.decode_block_tables
+        k = gather_kv(kv_cache[0], tables)  # [B, kvH, L, D]
+        v = gather_kv(kv_cache[1], tables)
+        length = k.shape[2]
+        mask = (torch.arange(length, device=query.device)[None, :]
+                < metadata.decode_seq_lens[:, None])  # [B, L]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, 1, D]
+        return out.squeeze(2)
+
+    def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        p, qmax = metadata.num_prefills, metadata.max_prefill_query_len
+        dev = query.device
+        q_lens = metadata.prefill_query_lens_list
+        starts = metadata.query_start_loc[:-1].long()
+        # packed row -> (sequence, offset) in the padded [P, Qmax] layout
+        seq_of_row = torch.repeat_interleave(torch.arange(p, device=dev),
+                                             torch.tensor(q_lens, device=dev))
+        offset = torch.arange(query.shape[0], device=dev) - starts[seq_of_row]
+        flat_idx = seq_of_row * qmax + offset
+        q = query.new_zeros(p * qmax, self.num_heads, self.head_size)
+        q.index_copy_(0, flat_idx, query)
+        q = q.view(p, qmax, self.num_heads, self.head_size).transpose(1, 2)  # [P, H, Qmax, D]
+        tables = metadata.prefill_block_tables
+        k = gather_kv(kv_cache[0], tables)  # [P, kvH, L, D]
+        v = gather_kv(kv_cache[1], tables)
+        length = k.shape[2]
+        ctx = metadata.prefill_context_lens.long()[:, None, None]  # [P, 1, 1]
+        q_pos = ctx + torch.arange(qmax, device=dev)[None, :, None]  # absolute query positions
+        k_pos = torch.arange(length, device=dev)[None, None, :]
+        seq_lens = metadata.prefill_seq_lens.long()[:, None, None]
+        mask = (k_pos <= q_pos) & (k_pos < seq_lens)  # [P, Qmax, L]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)  # [P, H, Qmax, D]
+        out = out.transpose(1, 2).reshape(p * qmax, self.num_heads, self.head_size)
+        return out[flat_idx]

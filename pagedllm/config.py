@@ -1,0 +1,143 @@
+"""Engine configuration: plain dataclasses validated in __post_init__. No torch import here.
+
+Values that depend on the hardware (the dtype for "auto", the number of KV blocks) are filled in
+by the backend (``Backend.check_and_update_config``) and the worker's memory profiling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+                  "bf16": "bfloat16"}
+PREEMPTION_MODES = (None, "recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+
+
+def _check(cond: bool, name: str, value: object, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def normalize_dtype(dtype: str) -> str:
+    dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    dtype = dtype.removeprefix("torch.")
+    _check(dtype in DTYPES, "dtype", dtype, f"allowed values are {', '.join(DTYPES)}")
+    return dtype
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str = "auto"  # resolved to a concrete name by the backend
+    max_model_len: int = 0  # resolved from the checkpoint when 0
+    seed: int = 0
+    load_format: str = "auto"
+    hf_config: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.dtype = normalize_dtype(self.dtype)
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+               f"allowed values are {', '.join(LOAD_FORMATS)}")
+        _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+
+    def get_num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    def get_num_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    def get_num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.get_num_heads())
+
+    def get_head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return int(head_dim or self.hf_config.hidden_size // self.get_num_heads())
+
+    def get_vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space_gib: float = 4.0
+    kv_cache_space_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    # set once the worker has sized the cache
+    num_device_blocks: int = 0
+    num_host_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+               "block_size", self.block_size, "allowed values are 1, 2, 4, 8, 16, 32, 64, 128")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        _check(self.swap_space_gib >= 0, "swap_space", self.swap_space_gib, "must be >= 0 (GiB)")
+        _check(self.kv_cache_space_gib is None or self.kv_cache_space_gib > 0,
+               "kv_cache_space_gib", self.kv_cache_space_gib, "must be > 0 (GiB) or None")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+               "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be > 0 or None")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 0  # resolved when 0
+    max_model_len: int = 0
+    enable_chunked_prefill: bool = False
+    preemption_mode: str | None = None
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
+               self.max_num_seqs, "must be an integer >= 1")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+               "allowed values are 'recompute', 'swap' or None")
+        _check(self.policy in SCHEDULING_POLICIES, "scheduling_policy", self.policy,
+               f"allowed values are {', '.join(SCHEDULING_POLICIES)}")
+
+    def resolve(self, max_model_len: int) -> None:
+        """Fill the token budget once the model length is known, and check it against it."""
+        self.max_model_len = max_model_len
+        if not self.max_num_batched_tokens:
+            self.max_num_batched_tokens = (max(2048, self.max_num_seqs) if self.enable_chunked_prefill
+                                           else max(max_model_len, 2048, self.max_num_seqs))
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+               self.max_num_batched_tokens, f"must be >= max_num_seqs ({self.max_num_seqs})")
+        if not self.enable_chunked_prefill:
+            _check(self.max_num_batched_tokens >= max_model_len, "max_num_batched_tokens",
+                   self.max_num_batched_tokens,
+                   f"must be >= max_model_len ({max_model_len}) unless enable_chunked_prefill=True")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+        _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+               "distributed_executor_backend", self.distributed_executor_backend,
+               "allowed values are 'uni', 'mp', 'ray' or None")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "auto"  # resolved to a backend name
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # a backend-specific attention implementation name

@@ -1,0 +1,75 @@
+"""What crosses from the scheduler to a worker and back: plain data, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.outputs import PositionLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute KV (and maybe sample) for ``token_ids``.
+
+    ``token_ids`` are the tokens at positions ``[start_pos, start_pos + len(token_ids))``; the
+    block table covers all of them. ``num_samples`` > 0 when this chunk ends the sequence, so its
+    last position's logits are sampled (best_of times for a request's first sample).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+    num_samples: int
+    seq_index: int = 0  # completion index, with the seed and output length drives seeded sampling
+    prompt_len: int = 0
+    # the whole sequence (prompt + outputs) when penalties need it, else None
+    history: list[int] | None = None
+    # prompt tokens at positions start_pos+1 .. start_pos+len(targets): their logprobs are wanted
+    # (prompt_logprobs), predicted by the first len(targets) positions of this chunk
+    prompt_logprob_targets: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length once this chunk is computed."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """A step's work for a worker. Prefill chunks (num_tokens > 1 or first sample) come first."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.blocks_to_swap_in or self.blocks_to_swap_out
+                    or self.blocks_to_copy)
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float
+    top_logprobs: PositionLogprobs | None = None  # includes the sampled token when requested
+
+
+@dataclass
+class SeqOutput:
+    """The worker's result for one ScheduledSeq, in batch order."""
+
+    seq_id: int
+    samples: list[Sample]
+    prompt_logprobs: list[PositionLogprobs] | None = None

@@ -1,0 +1,266 @@
+"""Continuous batching: which sequences run each step, under token and sequence budgets. No torch."""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+Chunk = tuple[Sequence, int]  # a sequence and how many of its uncomputed tokens run this step
+
+
+@dataclass
+class SchedulerOutput:
+    batch: ScheduledBatch
+    # parallel to batch.seqs: the group and sequence each ScheduledSeq belongs to
+    entries: list[tuple[SequenceGroup, Sequence]] = field(default_factory=list)
+    timed_out: list[SequenceGroup] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+
+class Scheduler:
+    """Three queues (waiting, running, swapped) and one policy.
+
+    Each step: (1) running sequences get their next token (decodes first, then the next chunk of
+    any partial prefill), preempting the lowest-priority running requests when blocks run out;
+    (2) if nothing was preempted, swapped requests come back; (3) if nothing is swapped out, waiting
+    requests are admitted in priority order while the token budget, the sequence budget and the
+    free blocks (above the watermark) allow.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 can_swap: bool = True) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.can_swap = can_swap and block_manager.num_host_blocks > 0
+        self.waiting: list[SequenceGroup] = []  # kept sorted by SequenceGroup.sort_key
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = 0
+        self._finished_seq_ids: list[int] = []
+        self._order = 0
+
+    # --- queue management ----------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        group.order = self._order
+        self._order += 1
+        self._enqueue_waiting(group)
+
+    def _enqueue_waiting(self, group: SequenceGroup) -> None:
+        keys = [g.sort_key() for g in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, group.sort_key()), group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def _finish(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        for seq in group.unfinished_seqs():
+            seq.status = status
+        for seq in group.seqs:
+            self._free_seq(seq)
+
+    def _free_seq(self, seq: Sequence) -> None:
+        if seq.seq_id in self.block_manager.block_tables or seq.seq_id in self.block_manager.host_tables:
+            self._finished_seq_ids.append(seq.seq_id)
+        self.block_manager.free(seq)
+
+    def abort(self, request_ids: set[str]) -> list[SequenceGroup]:
+        """Finish the given requests as aborted, in whatever state they are; frees their blocks."""
+        aborted = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.request_id in request_ids]:
+                queue.remove(group)
+                self._finish(group, SequenceStatus.FINISHED_ABORTED)
+                aborted.append(group)
+        return aborted
+
+    def free_finished(self) -> None:
+        """Release blocks of finished sequences and drop finished requests from the running queue."""
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished():
+                    self._free_seq(seq)
+        self.running = [g for g in self.running if not g.is_finished()]
+
+    def _expire(self, now: float) -> list[SequenceGroup]:
+        expired = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.deadline is not None and now >= g.deadline]:
+                queue.remove(group)
+                self._finish(group, SequenceStatus.FINISHED_TIMEOUT)
+                expired.append(group)
+        return expired
+
+    # --- the policy ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(batch=ScheduledBatch())
+        out.timed_out = self._expire(time.monotonic())
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        chunks: list[tuple[SequenceGroup, list[Chunk]]] = []
+
+        self._schedule_running(out, budget, chunks)
+        if out.num_preempted == 0:
+            self._schedule_swapped(out, budget, chunks)
+        if out.num_preempted == 0 and not self.swapped:
+            self._schedule_waiting(budget, chunks)
+
+        self._build_batch(out, chunks)
+        out.batch.finished_seq_ids = self._finished_seq_ids
+        self._finished_seq_ids = []
+        return out
+
+    def _running_chunks(self, group: SequenceGroup, budget: _Budget) -> list[Chunk]:
+        result = []
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            n = min(seq.num_uncomputed_tokens, budget.tokens)
+            if n <= 0:
+                break
+            budget.tokens -= n
+            result.append((seq, n))
+        return result
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget,
+                          chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
+        ordered = sorted(self.running, key=SequenceGroup.sort_key)
+        # decodes before partial prefills, so ongoing generations keep a steady pace
+        pending = [g for g in ordered if not g.is_prefill()] + [g for g in ordered if g.is_prefill()]
+        kept: list[SequenceGroup] = []
+        while pending:
+            group = pending.pop(0)
+            budget.seqs -= group.num_unfinished_seqs()
+            group_chunks = self._running_chunks(group, budget)
+            if not group_chunks:
+                kept.append(group)  # out of token budget this step; stays running
+                continue
+            while not self.block_manager.can_append(group_chunks):
+                victim = max(pending, key=SequenceGroup.sort_key) if pending else group
+                if victim is group:
+                    break
+                pending.remove(victim)
+                budget.seqs += victim.num_unfinished_seqs()
+                self._preempt(victim, out)
+            else:
+                for seq, n in group_chunks:
+                    out.batch.blocks_to_copy.extend(self.block_manager.append_slots(seq, n))
+                chunks.append((group, group_chunks))
+                kept.append(group)
+                continue
+            budget.tokens += sum(n for _, n in group_chunks)
+            budget.seqs += group.num_unfinished_seqs()
+            self._preempt(group, out)
+        self.running = kept
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        out.num_preempted += 1
+        self.num_preemptions += 1
+        if (self.config.preemption_mode == "swap" and self.can_swap
+                and self.block_manager.can_swap_out(group)):
+            out.batch.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self._enqueue_waiting(group)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget,
+                          chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
+        for group in sorted(self.swapped, key=SequenceGroup.sort_key):
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if budget.seqs < len(seqs) or budget.tokens < len(seqs):
+                break
+            if not self.block_manager.can_swap_in(group):
+                break
+            out.batch.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            group_chunks = []
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                out.batch.blocks_to_copy.extend(self.block_manager.append_slots(seq, 1))
+                group_chunks.append((seq, 1))
+            budget.seqs -= len(seqs)
+            budget.tokens -= len(seqs)
+            self.swapped.remove(group)
+            self.running.append(group)
+            chunks.append((group, group_chunks))
+
+    def _schedule_waiting(self, budget: _Budget,
+                          chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if budget.seqs < len(seqs):
+                return
+            group_chunks: list[Chunk] = []
+            tokens = budget.tokens
+            for seq in seqs:
+                need = len(seq) - self.block_manager.num_prefix_hit_tokens(seq)
+                n = min(need, tokens) if chunked else need
+                if n <= 0 or n > tokens:
+                    return
+                group_chunks.append((seq, n))
+                tokens -= n
+            if not self.block_manager.can_allocate(group_chunks):
+                return
+            for seq, n in group_chunks:
+                self.block_manager.allocate(seq, n)
+                seq.status = SequenceStatus.RUNNING
+            budget.tokens = tokens
+            budget.seqs -= len(seqs)
+            self.waiting.pop(0)
+            self.running.append(group)
+            chunks.append((group, group_chunks))
+
+    def _build_batch(self, out: SchedulerOutput,
+                     chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
+        entries: list[tuple[int, ScheduledSeq, SequenceGroup, Sequence]] = []
+        for group, group_chunks in chunks:
+            params = group.sampling_params
+            needs_history = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                             or params.repetition_penalty != 1.0)
+            for seq, n in group_chunks:
+                start = seq.num_computed_tokens
+                done = start + n == len(seq)
+                num_samples = 0
+                if done:
+                    num_samples = params.best_of if not group.forked else 1
+                sched = ScheduledSeq(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[start:start + n],
+                    start_pos=start,
+                    block_table=self.block_manager.block_tables[seq.seq_id],
+                    sampling_params=params,
+                    num_samples=num_samples,
+                    seq_index=seq.index,
+                    prompt_len=seq.prompt_len,
+                    history=seq.token_ids if needs_history else None,
+                    prompt_logprob_targets=(seq.token_ids[start + 1:min(start + n + 1, seq.prompt_len)]
+                                            if group.wants_prompt_logprobs() else None),
+                )
+                seq.num_computed_tokens += n
+                # multi-token chunks first: the worker lays prefills out before decodes
+                entries.append((0 if n > 1 else 1, sched, group, seq))
+        entries.sort(key=lambda e: e[0])
+        out.batch.seqs = [e[1] for e in entries]
+        out.entries = [(e[2], e[3]) for e in entries]
+
+    def after_step(self, out: SchedulerOutput) -> None:
+        """The step's KV is written: full blocks may now serve as prefix-cache hits."""
+        for _, seq in out.entries:
+            self.block_manager.cache_full_blocks(seq)

@@ -1,0 +1,104 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batched offline generation over a local Hugging Face checkpoint."""
+
+    def __init__(self, model: str, tokenizer: str | None = None, device: str = "auto",
+                 dtype: str = "auto", block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 num_gpu_blocks_override: int | None = None, kv_cache_space_gib: float | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = False, swap_space: float = 4,
+                 preemption_mode: str | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = False, **kwargs: Any) -> None:
+        args = EngineArgs(
+            model=model, tokenizer=tokenizer, device=device, dtype=dtype, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_space_gib=kv_cache_space_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, swap_space=swap_space,
+            preemption_mode=preemption_mode, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [{"prompt_token_ids": list(prompts)}]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
+                                 "prompts; pass one or a list of the same length")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            while self.llm_engine.has_unfinished_requests():
+                self.llm_engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(ids)
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

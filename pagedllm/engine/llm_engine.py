@@ -1,0 +1,181 @@
+"""LLMEngine: add requests, step (schedule -> execute -> process), abort."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.backends.registry import resolve_backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
+from pagedllm.executor.base import make_executor
+from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict | list
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    kv_cache_usage: float = 0.0
+
+
+class LLMEngine:
+    """The offline engine. ``step()`` is schedule -> execute -> process, nothing more."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.backend = resolve_backend(config.device)
+        config.device = self.backend.name
+        self.backend.check_and_update_config(config)
+        self.tokenizer = get_tokenizer(config.model.tokenizer)
+        self.eos_token_ids = stop_token_ids_of(self.tokenizer, config.model.model)
+        self.executor = make_executor(config, self.backend)
+        num_device, num_host = self.executor.determine_num_blocks()
+        if num_device <= 0:
+            raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
+                               "kv_cache_space_gib / gpu_memory_utilization")
+        config.cache.num_device_blocks, config.cache.num_host_blocks = num_device, num_host
+        self.executor.init_cache(num_device, num_host)
+        self.block_manager = BlockManager(config.cache.block_size, num_device, num_host,
+                                          enable_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   can_swap=self.backend.capabilities.swap)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                config.model.max_model_len)
+        self._requests: dict[str, SequenceGroup] = {}
+        self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
+        self._seq_ids = itertools.count()
+        logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d",
+                    self.backend.name, config.model.dtype, num_device, num_host,
+                    config.cache.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # --- requests ------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict with "
+                         f"'prompt_token_ids'; got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.config.model.get_vocab_size()
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range: token ids must be in "
+                             f"[0, {vocab - 1}]")
+        max_len = self.config.model.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{max_len}")
+        bm = self.block_manager
+        need = -(-len(token_ids) // bm.block_size)
+        if need > bm.num_device_blocks - bm.watermark_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks but the cache only has "
+                             f"{bm.num_device_blocks - bm.watermark_blocks} usable; raise the "
+                             f"KV cache size")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
+        params = (params or SamplingParams()).clone()
+        text, token_ids = self._prompt_ids(prompt)
+        self.validate_prompt(token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = max(1, self.config.model.max_model_len - len(token_ids))
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+        now = time.time()
+        seq = Sequence(next(self._seq_ids), token_ids)
+        self.output_processor.start(seq, params)
+        group = SequenceGroup(
+            request_id=request_id, seqs=[seq], sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else now, prompt=text,
+            priority=priority, metrics=RequestMetrics(arrival_time=now),
+            deadline=(time.monotonic() + params.timeout_seconds
+                      if params.timeout_seconds is not None else None))
+        self._requests[request_id] = group
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str | list[str] | set[str]) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for group in self.scheduler.abort(ids):
+            self._requests.pop(group.request_id, None)
+            self._pending_outputs.append(self.output_processor.make_output(group))
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [] if sched.batch.is_empty() else self.executor.execute(sched.batch)
+        self.scheduler.after_step(sched)
+        return self._process(sched, outputs)
+
+    def _process(self, sched: Any, outputs: list) -> list[RequestOutput]:
+        touched = self.output_processor.apply(sched, outputs, self._fork)
+        self.scheduler.free_finished()
+        results, self._pending_outputs = self._pending_outputs, []
+        for group in [*sched.timed_out, *touched]:
+            results.append(self.output_processor.make_output(group))
+            if group.is_finished():
+                self._requests.pop(group.request_id, None)
+        return results
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
+        child = parent.fork(next(self._seq_ids), index)
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    # --- introspection -------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm, s = self.block_manager, self.scheduler
+        return EngineStats(num_blocks=bm.num_device_blocks, num_free_blocks=bm.device.num_free,
+                           num_cached_blocks=bm.device.num_cached_idle, block_size=bm.block_size,
+                           num_running=len(s.running), num_waiting=len(s.waiting),
+                           num_swapped=len(s.swapped), num_preemptions=s.num_preemptions,
+                           kv_cache_usage=bm.usage())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,47 @@
+"""Executors run the worker(s): in this process, in worker processes, or on Ray actors."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.backends.interface import Backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks): the minimum over all workers."""
+
+    @abstractmethod
+    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, batch: ScheduledBatch) -> list[SeqOutput]: ...
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None:
+        """Release workers and devices."""
+
+
+def make_executor(config: EngineConfig, backend: Backend) -> Executor:
+    kind = config.parallel.distributed_executor_backend
+    if kind == "uni":
+        from pagedllm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config, backend)
+    if kind == "mp":
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, backend)
+    if kind == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, backend)
+    raise ValueError(f"distributed_executor_backend={kind!r}: allowed values are uni, mp, ray")

@@ -1,0 +1,25 @@
+"""One worker in the engine's own process (tensor_parallel_size == 1)."""
+from __future__ import annotations
+
+from pagedllm.backends.interface import Backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.executor.base import Executor
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, backend: Backend) -> None:
+        super().__init__(config, backend)
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("the 'uni' executor runs tensor_parallel_size=1 only; use 'mp' or 'ray'")
+        self.worker = backend.worker_cls()(config, backend)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_blocks()
+
+    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.worker.init_cache(num_device_blocks, num_host_blocks)
+
+    def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        return self.worker.execute(batch) or []

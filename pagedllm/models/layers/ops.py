@@ -1,0 +1,68 @@
+"""Swappable model ops: one torch reference implementation each; a backend may register faster ones.
+
+The references are written to reproduce Hugging Face transformers' float32 arithmetic exactly
+(same operation order), since greedy outputs are compared token for token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, new residual). With ``residual``, normalizes ``x + residual``."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding. q [T, Hq, D], k [T, Hk, D], cos/sin [T, D] (already gathered)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:]."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def linear_prepare(layer: torch.nn.Module) -> None:
+    """Called once per linear layer after its weights are loaded (e.g. to pre-pack them)."""
+
+
+def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
+class Ops:
+    """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
+
+    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare")
+
+    def __init__(self) -> None:
+        self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
+        self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+        self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
+        self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
+
+    def register(self, name: str, fn: Callable[..., Any]) -> None:
+        if name not in self.NAMES:
+            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(self.NAMES)}")
+        setattr(self, name, fn)

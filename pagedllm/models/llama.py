@@ -1,0 +1,161 @@
+"""Llama family over the paged cache: Llama 2/3, Mistral (no sliding window), TinyLlama, Qwen2."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.models.layers.attention import Attention
+from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
+                                           QKVParallelLinear, RowParallelLinear)
+from pagedllm.models.layers.rotary import RotaryEmbedding
+from pagedllm.models.loader_utils import load_named_weights
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ctx: LayerContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=ctx.dtype, device=ctx.device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ctx.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, ctx: LayerContext, rotary: RotaryEmbedding,
+                 biases: tuple[bool, bool]) -> None:
+        super().__init__()
+        qkv_bias, o_bias = biases
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_size, config.num_attention_heads,
+                                          num_kv, qkv_bias, ctx)
+        self.o_proj = RowParallelLinear(self.qkv_proj.num_heads * head_size * ctx.tp.size,
+                                        config.hidden_size, o_bias, ctx)
+        self.q_size = self.qkv_proj.num_heads * head_size
+        self.kv_size = self.qkv_proj.num_kv_heads * head_size
+        self.head_size = head_size
+        self.ctx = ctx
+        self.rotary = rotary
+        self.attn = Attention(self.qkv_proj.num_heads, head_size, self.qkv_proj.num_kv_heads,
+                              head_size ** -0.5, ctx)
+
+    def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t, d = hidden.shape[0], self.head_size
+        q, k = self.ctx.ops.rotary(q.reshape(t, -1, d), k.reshape(t, -1, d), *cos_sin)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, kv_cache, metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, ctx: LayerContext) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, ctx)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ctx.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, ctx: LayerContext, rotary: RotaryEmbedding,
+                 biases: tuple[bool, bool]) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx)
+        self.self_attn = LlamaAttention(config, ctx, rotary, biases)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx)
+        self.mlp = LlamaMLP(config, ctx)
+
+    def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(hidden, residual)
+        h = self.self_attn(positions, cos_sin, h, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF-compatible weights; ``forward`` returns final hidden states [num_tokens, hidden]."""
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    # (our param suffix, HF name fragment, shard id)
+    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+    def __init__(self, config: Any, ctx: LayerContext, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.ctx = ctx
+        biases = self.attention_biases(config)
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.rotary = RotaryEmbedding(config, head_size, max_positions, ctx.dtype, ctx.device)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, ctx, self.rotary, biases)
+                                     for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, cos_sin, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None
+            return name.replace("self_attn.o_proj.bias", "self_attn.o_proj.out_bias") \
+                       .replace("mlp.down_proj.bias", "mlp.down_proj.out_bias")
+
+        return load_named_weights(self, weights, rename, self.stacked)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with biases on the q/k/v projections (and usually tied embeddings)."""
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral without a sliding window (the model length is capped to the window)."""

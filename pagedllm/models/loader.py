@@ -1,0 +1,92 @@
+"""Builds an engine-native model from a local Hugging Face folder (or random weights)."""
+from __future__ import annotations
+
+import glob
+import importlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.layers.embedding import ParallelLMHead
+from pagedllm.models.layers.linear import LayerContext, LinearBase
+
+logger = logging.getLogger(__name__)
+
+# HF architecture name -> "module:Class"
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedllm.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagedllm.models.llama:Qwen2ForCausalLM",
+    "OPTForCausalLM": "pagedllm.models.opt:OPTForCausalLM",
+}
+
+
+def resolve_architecture(hf_config: object) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return arch
+    raise ValueError(f"model architecture {archs or '(none in config.json)'} is not supported; "
+                     f"supported architectures: {', '.join(MODEL_REGISTRY)}")
+
+
+def _model_class(arch: str) -> type[nn.Module]:
+    module, _, name = MODEL_REGISTRY[arch].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def iterate_checkpoint(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) pairs from safetensors files, or from .bin files with weights_only=True."""
+    st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    bin_files = sorted(glob.glob(os.path.join(path, "*.bin")))
+    if load_format in ("auto", "safetensors") and st_files:
+        from safetensors import safe_open
+
+        for file in st_files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    if load_format in ("auto", "pt") and bin_files:
+        for file in bin_files:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
+            del state
+        return
+    raise FileNotFoundError(f"no {'safetensors or .bin' if load_format == 'auto' else load_format} "
+                            f"weights found in {path!r}")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights (uniform in [-1e-3, 1e-3], norms at 1) for benchmarks without a checkpoint."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            gen = gens.setdefault(param.device,
+                                  torch.Generator(device=param.device).manual_seed(seed))
+            param.uniform_(-1e-3, 1e-3, generator=gen)
+
+
+def prepare_linears(model: nn.Module, ctx: LayerContext) -> None:
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            ctx.ops.linear_prepare(module)
+
+
+def load_model(model_config: ModelConfig, ctx: LayerContext) -> nn.Module:
+    arch = resolve_architecture(model_config.hf_config)
+    cls = _model_class(arch)
+    model = cls(model_config.hf_config, ctx, max_positions=model_config.max_model_len)
+    if model_config.load_format == "dummy":
+        _init_dummy(model, model_config.seed)
+    else:
+        model.load_weights(iterate_checkpoint(model_config.model, model_config.load_format))
+    prepare_linears(model, ctx)
+    return model.eval()

@@ -1,0 +1,56 @@
+"""Routing checkpoint tensors to parameters (stacked q/k/v and gate/up, tensor-parallel shards)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (module, param)
+    return owners
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       rename: Callable[[str], str | None],
+                       stacked: list[tuple[str, str, object]]) -> set[str]:
+    """Copy checkpoint tensors into ``model``; returns the parameter names that were filled.
+
+    ``rename`` maps a checkpoint name to a parameter name (None skips it); ``stacked`` lists
+    (param fragment, checkpoint fragment, shard id) for matrices we store concatenated.
+    Raises if a tensor matches no parameter or a parameter is left unfilled.
+    """
+    owners = _owners(model)
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        shard = None
+        for param_frag, ckpt_frag, shard_id in stacked:
+            if f".{ckpt_frag}." in name:
+                name, shard = name.replace(f".{ckpt_frag}.", f".{param_frag}."), shard_id
+                break
+        if name not in owners:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of "
+                             f"{type(model).__name__} (looked for {name!r})")
+        module, param = owners[name]
+        loader = getattr(module, "weight_loader", None)
+        with torch.no_grad():
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != parameter "
+                                     f"shape {tuple(param.shape)}")
+                param.copy_(tensor)
+        loaded.add(name)
+    missing = set(owners) - loaded
+    if missing:
+        raise ValueError(f"the checkpoint has no tensors for: {', '.join(sorted(missing)[:8])}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return loaded

@@ -1,0 +1,128 @@
+"""Sampling parameters for one request (vLLM-compatible names and defaults)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _fail(name: str, value: object, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion(s) of one request.
+
+    Every field is validated in ``__post_init__``; an invalid value raises ValueError naming the
+    field, the value and the allowed range.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    timeout_seconds: float | None = None
+    # filled in by the engine from the tokenizer / generation config; not user-facing
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+        if not is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "must be an integer >= 1")
+        if not is_int(self.best_of) or self.best_of < self.n:
+            _fail("best_of", self.best_of, f"must be an integer >= n ({self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                _fail(name, v, "must be a number in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be a number in (0, 2]")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            _fail("temperature", self.temperature, "must be a number in [0, 2]")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be a number in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            _fail("top_k", self.top_k, "must be -1 (disabled) or an integer >= 1")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "must be a number in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            _fail("seed", self.seed, "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0):
+                _fail(name, v, "must be None or an integer >= 0")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                _fail("stop", s, "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                _fail("stop_token_ids", t, "token ids must be integers >= 0")
+        if self.timeout_seconds is not None and (not is_num(self.timeout_seconds)
+                                                 or self.timeout_seconds <= 0):
+            _fail("timeout_seconds", self.timeout_seconds, "must be a number > 0 or None")
+        if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY and self.best_of != self.n:
+            _fail("best_of", self.best_of, "must equal n when sampling greedily (temperature=0)")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def max_stop_len(self) -> int:
+        """Characters of text held back while streaming so a partial stop string never leaks."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        import copy
+
+        return copy.deepcopy(self)

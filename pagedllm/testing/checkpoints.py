@@ -1,0 +1,65 @@
+"""Tiny random-weight Hugging Face checkpoints (safetensors + tokenizer) for tests and the demo."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level BPE tokenizer with no merges: ids 0-2 are specials, then the 256 bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 259, **overrides: Any) -> Any:
+    """A small config of the given family ("llama", "qwen2", "mistral", "opt")."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=2)
+    if arch == "opt":
+        cfg = dict(common, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True,
+                   pad_token_id=0, enable_bias=True)
+        cfg.update(overrides)
+        return tf.OPTConfig(**cfg)
+    cfg = dict(common, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-6)
+    if arch == "qwen2":
+        cfg["tie_word_embeddings"] = True
+    cfg.update(overrides)
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
+    return cls(**cfg)
+
+
+def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, init_std: float = 0.05,
+                    **overrides: Any) -> str:
+    """Write a random-weight checkpoint of ``arch`` to ``path`` (float32, safetensors)."""
+    import torch
+    import transformers as tf
+
+    config = tiny_config(arch, **overrides)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,161 @@
+"""Turns a ScheduledBatch into tensors, runs the model, and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.core.batch import ScheduledBatch, ScheduledSeq, SeqOutput
+from pagedllm.worker.sampler import Sampler, SampleRow
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    # rows of the hidden states whose logits are needed: sampling rows, then prompt-logprob rows
+    logit_rows: torch.Tensor
+    sample_rows: list[tuple[int, SampleRow]] = field(default_factory=list)  # (batch index, row)
+    prompt_rows: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (idx, n, targets)
+    num_real_tokens: int = 0
+
+
+def _pad_table(tables: list[list[int]], width: int | None = None) -> list[list[int]]:
+    width = width if width is not None else max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
+                   pad_tokens_to: int = 0) -> tuple[list[int], list[int], AttentionMetadata]:
+    """Token ids, positions and attention metadata for ``seqs`` (multi-token chunks first)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in seqs:
+        input_ids.extend(s.token_ids)
+        table = s.block_table
+        for p in range(s.start_pos, s.seq_len):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    prefills = [s for s in seqs if s.num_tokens > 1]
+    decodes = seqs[len(prefills):]
+    if any(s.num_tokens != 1 for s in decodes):
+        raise ValueError("batch order: multi-token chunks must precede single-token ones")
+    pad = max(0, pad_tokens_to - len(input_ids))
+    input_ids += [0] * pad
+    positions += [0] * pad
+    slots += [-1] * pad
+
+    def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    q_lens = [s.num_tokens for s in prefills]
+    q_start = [0]
+    for n in q_lens:
+        q_start.append(q_start[-1] + n)
+    p_seq = [s.seq_len for s in prefills]
+    p_ctx = [s.start_pos for s in prefills]
+    d_seq = [s.seq_len for s in decodes]
+    meta = AttentionMetadata(
+        num_prefills=len(prefills),
+        num_prefill_tokens=q_start[-1],
+        num_decode_tokens=len(decodes),
+        slot_mapping=t(slots, torch.int64),
+        block_size=block_size,
+        query_start_loc=t(q_start),
+        prefill_seq_lens=t(p_seq),
+        prefill_context_lens=t(p_ctx),
+        prefill_block_tables=t(_pad_table([s.block_table for s in prefills])),
+        max_prefill_query_len=max(q_lens, default=0),
+        max_prefill_seq_len=max(p_seq, default=0),
+        decode_seq_lens=t(d_seq),
+        decode_block_tables=t(_pad_table([s.block_table for s in decodes])),
+        max_decode_seq_len=max(d_seq, default=0),
+        prefill_query_lens_list=q_lens,
+        prefill_seq_lens_list=p_seq,
+        prefill_context_lens_list=p_ctx,
+        decode_seq_lens_list=d_seq,
+    )
+    return input_ids, positions, meta
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(device, seed)
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInput:
+        input_ids, positions, meta = build_metadata(batch.seqs, self.block_size, self.device)
+        rows: list[int] = []
+        sample_rows: list[tuple[int, SampleRow]] = []
+        prompt_rows: list[tuple[int, int, list[int]]] = []
+        offset = 0
+        for i, s in enumerate(batch.seqs):
+            if s.num_samples > 0:
+                rows.append(offset + s.num_tokens - 1)
+                sample_rows.append((i, SampleRow(s.sampling_params, s.num_samples, s.seq_index,
+                                                 s.seq_len - s.prompt_len, s.history,
+                                                 s.prompt_len)))
+            offset += s.num_tokens
+        offset = 0
+        for i, s in enumerate(batch.seqs):
+            if s.prompt_logprob_targets:
+                n = len(s.prompt_logprob_targets)
+                rows.extend(range(offset, offset + n))
+                prompt_rows.append((i, n, s.prompt_logprob_targets))
+            offset += s.num_tokens
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            metadata=meta,
+            logit_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            sample_rows=sample_rows,
+            prompt_rows=prompt_rows,
+            num_real_tokens=len(input_ids),
+        )
+
+    def forward(self, inp: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] float32."""
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.metadata)
+        return self.model.compute_logits(hidden[inp.logit_rows])
+
+    def sample(self, batch: ScheduledBatch, inp: ModelInput, logits: torch.Tensor) -> list[SeqOutput]:
+        outputs = [SeqOutput(s.seq_id, []) for s in batch.seqs]
+        n_sample = len(inp.sample_rows)
+        if n_sample:
+            samples = self.sampler(logits[:n_sample], [r for _, r in inp.sample_rows])
+            for (i, _), got in zip(inp.sample_rows, samples):
+                outputs[i].samples = got
+        row = n_sample
+        for i, n, targets in inp.prompt_rows:
+            k = batch.seqs[i].sampling_params.prompt_logprobs or 0
+            outputs[i].prompt_logprobs = prompt_logprobs(logits[row:row + n], targets, k)
+            row += n
+        return outputs
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:
+        inp = self.prepare(batch)
+        logits = self.forward(inp, kv_caches)
+        return self.sample(batch, inp, logits)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:
+    """{token: logprob} per position: the actual next prompt token plus the top k."""
+    lp = torch.log_softmax(logits, dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    result = []
+    for j, t in enumerate(targets):
+        entry = {t: chosen[j]}
+        if top is not None:
+            for tok, v in zip(top.indices[j].tolist(), top.values[j].tolist()):
+                entry.setdefault(tok, v)
+        result.append(entry)
+    return result

@@ -1,0 +1,170 @@
+"""Turns logits into tokens on the device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Logprobs are those of the model's distribution (log_softmax of the raw logits). Seeded rows draw
+from a generator seeded by (seed, completion index, output length), so a request's tokens depend
+only on its own seed and history, never on what else is in the batch or on preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.batch import Sample
+from pagedllm.outputs import PositionLogprobs
+from pagedllm.sampling_params import SamplingParams, SamplingType
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample ``num_samples`` tokens from."""
+
+    params: SamplingParams
+    num_samples: int
+    seq_index: int
+    output_len: int
+    history: list[int] | None  # prompt + outputs, when penalties need it
+    prompt_len: int
+
+
+def _seeded_generator(seed: int, index: int, step: int, device: torch.device) -> torch.Generator:
+    mixed = hash((seed, index, step)) & 0x7FFF_FFFF_FFFF_FFFF
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place. Repetition penalty over prompt+output tokens (HF style); presence and frequency
+    penalties over output tokens (OpenAI style)."""
+    device, vocab = logits.device, logits.shape[1]
+    idx = [i for i, r in enumerate(rows) if r.history is not None]
+    if not idx:
+        return
+    width = max(len(rows[i].history) for i in idx)  # type: ignore[arg-type]
+    hist = torch.full((len(idx), width), vocab, dtype=torch.int64)
+    out_mask = torch.zeros((len(idx), width), dtype=torch.float32)
+    for j, i in enumerate(idx):
+        h = rows[i].history
+        hist[j, :len(h)] = torch.tensor(h, dtype=torch.int64)  # type: ignore[arg-type]
+        out_mask[j, rows[i].prompt_len:len(h)] = 1.0  # type: ignore[arg-type]
+    hist, out_mask = hist.to(device), out_mask.to(device)
+    seen = torch.zeros((len(idx), vocab + 1), device=device)
+    seen.scatter_add_(1, hist, torch.ones_like(out_mask))
+    counts = torch.zeros((len(idx), vocab + 1), device=device)
+    counts.scatter_add_(1, hist, out_mask)
+    seen, counts = seen[:, :vocab] > 0, counts[:, :vocab]
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
+    sub = logits[idx]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    logits[idx] = sub
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, r in enumerate(rows):
+        if r.output_len < r.params.min_tokens and r.params.all_stop_token_ids:
+            ids = [t for t in r.params.all_stop_token_ids if t < logits.shape[1]]
+            logits[i, ids] = _MASK
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    device = logits.device
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        vocab = logits.shape[1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
+        p = torch.tensor(top_p, device=device, dtype=logits.dtype)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        probs = sorted_logits.softmax(dim=-1)
+        drop = (ranks >= k[:, None]) | ((probs.cumsum(dim=-1) - probs) > p[:, None])
+        drop[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    min_p = [r.params.min_p for r in rows]
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, _MASK)
+    return logits
+
+
+def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows_k: list[int | None]
+                  ) -> list[PositionLogprobs | None]:
+    """For rows asking for k logprobs: {token: logprob} of the top k plus the chosen token."""
+    result: list[PositionLogprobs | None] = [None] * len(rows_k)
+    want = [i for i, k in enumerate(rows_k) if k is not None]
+    if not want:
+        return result
+    kmax = max(rows_k[i] for i in want)  # type: ignore[type-var]
+    top_vals, top_ids = (logprobs[want].topk(kmax, dim=-1) if kmax > 0 else (None, None))
+    chosen = logprobs[want].gather(1, tokens[want][:, None]).squeeze(1).tolist()
+    tok = tokens[want].tolist()
+    vals = top_vals.tolist() if top_vals is not None else None
+    ids = top_ids.tolist() if top_ids is not None else None
+    for j, i in enumerate(want):
+        entry = {tok[j]: chosen[j]}
+        if vals is not None:
+            for t, v in zip(ids[j][: rows_k[i]], vals[j][: rows_k[i]]):
+                entry.setdefault(t, v)
+        result[i] = entry
+    return result
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
+        """``logits`` [len(rows), vocab] float32 -> for each row its ``num_samples`` samples."""
+        expanded: list[SampleRow] = []
+        src: list[int] = []
+        for i, r in enumerate(rows):
+            for j in range(r.num_samples):
+                expanded.append(SampleRow(r.params, 1, r.seq_index + j, r.output_len, r.history,
+                                          r.prompt_len))
+                src.append(i)
+        if len(expanded) != len(rows):
+            logits = logits[torch.tensor(src, device=logits.device)]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        _apply_penalties(logits, expanded)
+        _apply_min_tokens(logits, expanded)
+        tokens = self._choose(logits, expanded)
+        chosen_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tops = _top_logprobs(logprobs, tokens, [r.params.logprobs for r in expanded])
+        token_list = tokens.tolist()
+        out: list[list[Sample]] = [[] for _ in rows]
+        for e, i in enumerate(src):
+            out[i].append(Sample(token_list[e], chosen_lp[e], tops[e]))
+        return out
+
+    def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        greedy = [r.params.sampling_type == SamplingType.GREEDY for r in rows]
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, g in enumerate(greedy) if not g]
+        if not rand:
+            return tokens
+        sub_rows = [rows[i] for i in rand]
+        idx = torch.tensor(rand, device=logits.device)
+        temps = torch.tensor([r.params.temperature for r in sub_rows], device=logits.device)
+        sub = _apply_top_k_top_p_min_p(logits[idx] / temps[:, None], sub_rows)
+        probs = sub.softmax(dim=-1)
+        # exponential race: argmax(p / q) with q ~ Exp(1) draws from p
+        q = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(sub_rows) if r.params.seed is None]
+        if unseeded:
+            q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device
+                                      ).exponential_(generator=self.generator)
+        for j, r in enumerate(sub_rows):
+            if r.params.seed is not None:
+                gen = _seeded_generator(r.params.seed, r.seq_index, r.output_len, probs.device)
+                q[j].exponential_(generator=gen)
+        tokens[idx] = (probs / q).argmax(dim=-1)
+        return tokens

@@ -1,0 +1,124 @@
+"""The device-side half of the engine: owns the model shard and the KV cache on one device.
+
+Backends subclass ``Worker`` to change what differs on their hardware (device selection, how much
+memory the cache may take, graph capture, input padding); the defaults here are plain torch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from pagedllm.backends.interface import Backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.models.layers.linear import LayerContext
+from pagedllm.models.layers.ops import Ops
+from pagedllm.models.loader import load_model
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_GIB = 4.0
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, backend: Backend, rank: int = 0,
+                 tp: TPGroup | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.rank = rank
+        self.tp = tp or TPGroup()
+        self.dtype = torch_dtype(config.model.dtype)
+        self.device = self.select_device()
+        self.model: nn.Module | None = None
+        self.runner: ModelRunner | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
+        self.cache_ops = backend.cache_ops()
+        self.attn_cls = backend.attention_cls(config)
+
+    # --- hooks a backend may override ----------------------------------------------------
+    def select_device(self) -> torch.device:
+        return torch.device(self.backend.torch_device)
+
+    def available_kv_bytes(self) -> int:
+        """Bytes the device KV cache may take (after the model is loaded)."""
+        gib = self.config.cache.kv_cache_space_gib
+        return int((gib if gib is not None else DEFAULT_KV_CACHE_GIB) * GiB)
+
+    def after_cache_init(self) -> None:
+        """Called once the caches exist (e.g. to warm up or capture graphs)."""
+
+    def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        assert self.runner is not None
+        return self.runner.execute(batch, self.kv_caches)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def load_model(self) -> None:
+        ops = Ops()
+        self.backend.register_ops(ops)
+        ctx = LayerContext(ops=ops, tp=self.tp, dtype=self.dtype, device=self.device,
+                           attn_cls=self.attn_cls)
+        with torch.inference_mode():
+            self.model = load_model(self.config.model, ctx)
+        self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
+                                  self.config.model.seed)
+
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.config.model
+        kv_heads = max(1, m.get_num_kv_heads() // self.tp.size)
+        return self.attn_cls.kv_cache_shape(num_blocks, self.config.cache.block_size, kv_heads,
+                                            m.get_head_size())
+
+    def block_bytes(self) -> int:
+        per_layer = math.prod(self.kv_layer_shape(1)) * torch.tensor([], dtype=self.dtype).element_size()
+        return per_layer * self.config.model.get_num_layers()
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks) for the cache, from the memory budget."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            num_device = cache.num_gpu_blocks_override
+        else:
+            num_device = self.available_kv_bytes() // self.block_bytes()
+        num_host = int(cache.swap_space_gib * GiB) // self.block_bytes() if self.backend.capabilities.swap else 0
+        return int(num_device), int(num_host)
+
+    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        layers = self.config.model.get_num_layers()
+        shape = self.kv_layer_shape(num_device_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(layers)]
+        if num_host_blocks > 0:
+            pin = self.backend.host_pin_memory()
+            host_shape = self.kv_layer_shape(num_host_blocks)
+            self.host_caches = [torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
+                                for _ in range(layers)]
+        self.after_cache_init()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
+        """Apply the batch's block moves, then run the model; only rank 0 returns samples."""
+        ops = self.cache_ops
+        if batch.blocks_to_swap_out:
+            ops.swap_blocks(self.kv_caches, self.host_caches,
+                            torch.tensor(batch.blocks_to_swap_out, dtype=torch.int64))
+        if batch.blocks_to_swap_in:
+            ops.swap_blocks(self.host_caches, self.kv_caches,
+                            torch.tensor(batch.blocks_to_swap_in, dtype=torch.int64))
+        if batch.blocks_to_copy:
+            ops.copy_blocks(self.kv_caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
+                                                         device=self.device))
+        if not batch.seqs:
+            return []
+        outputs = self.run_model(batch)
+        return outputs if self.rank == 0 else None
