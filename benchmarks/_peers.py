@@ -133,7 +133,7 @@ def run_gemm(spec: Spec) -> Result:
     import torch
 
     device = _resolve_device(spec["device"])
-    n = spec.get("gemm_size", 2048)
+    n = spec.get("gemm_size", 4096)
     rates: dict[str, float] = {}
     for name in spec["gemm_dtypes"]:
         a = torch.randn(n, n, device=device).to(getattr(torch, name))

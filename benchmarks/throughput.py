@@ -94,6 +94,9 @@ def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
     log_path = log_dir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        logger.warning("load average %.2f before %s: other processes may skew its timing", load, name)
     logger.info("running %s with %s (log: %s)", name, python, log_path)
     with open(log_path, "w") as log:
         proc = subprocess.run([python, str(BENCH_DIR / "_peers.py"), str(spec_path),
@@ -104,7 +107,7 @@ def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
         result.setdefault("error", f"exited with status {proc.returncode}")
         logger.warning("%s: %s\n%s", name, result["error"], tail if proc.returncode else "")
-    result["backend"] = name
+    result.update(backend=name, loadavg_before=load)
     return result
 
 

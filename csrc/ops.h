@@ -119,6 +119,7 @@ struct CopyBlocksArgs {
   int64_t block_stride_bytes;       // distance between consecutive blocks of one cache
   int64_t block_bytes;              // bytes of one block (contiguous)
   int64_t num_blocks;               // pairs with an id outside [0, num_blocks) are skipped
+  int64_t ptr_alignment;            // largest power of two (<= 16) dividing every base address
 };
 
 // Copies block src -> dst in the key and value cache of every layer, in one launch.

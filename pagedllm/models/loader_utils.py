@@ -9,8 +9,12 @@ from torch import nn
 
 def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     owners = {}
+    seen: set[int] = set()  # a tied parameter (LM head = embedding) is loaded once, by its owner
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (module, param)
     return owners
 

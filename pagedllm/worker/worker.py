@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.models.layers.ops import Ops
 from pagedllm.models.loader import load_model
+from pagedllm.worker.host_memory import lazy_zeros
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
+        self.num_host_blocks = 0
         self.cache_ops = backend.cache_ops()
         self.attn_cls = backend.attention_cls(config)
 
@@ -54,6 +56,18 @@ class Worker:
         """Bytes the device KV cache may take (after the model is loaded)."""
         gib = self.config.cache.kv_cache_space_gib
         return int((gib if gib is not None else DEFAULT_KV_CACHE_GIB) * GiB)
+
+    def allocate_device_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's zeroed KV cache on the device."""
+        if self.device.type == "cpu":
+            return lazy_zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def allocate_host_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's host swap space (pinned where the backend asks for it)."""
+        if self.backend.host_pin_memory():
+            return torch.zeros(shape, dtype=self.dtype, pin_memory=True)
+        return lazy_zeros(shape, self.dtype)
 
     def after_cache_init(self) -> None:
         """Called once the caches exist (e.g. to warm up or capture graphs)."""
@@ -96,24 +110,26 @@ class Worker:
     def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         layers = self.config.model.get_num_layers()
         shape = self.kv_layer_shape(num_device_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(layers)]
-        if num_host_blocks > 0:
-            pin = self.backend.host_pin_memory()
-            host_shape = self.kv_layer_shape(num_host_blocks)
-            self.host_caches = [torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
-                                for _ in range(layers)]
+        self.kv_caches = [self.allocate_device_cache(shape) for _ in range(layers)]
+        self.num_host_blocks = num_host_blocks  # host caches are allocated on first swap-out
         self.after_cache_init()
+
+    def _host(self) -> list[torch.Tensor]:
+        if not self.host_caches and self.num_host_blocks > 0:
+            shape = self.kv_layer_shape(self.num_host_blocks)
+            self.host_caches = [self.allocate_host_cache(shape)
+                                for _ in range(self.config.model.get_num_layers())]
+        return self.host_caches
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
         """Apply the batch's block moves, then run the model; only rank 0 returns samples."""
         ops = self.cache_ops
         if batch.blocks_to_swap_out:
-            ops.swap_blocks(self.kv_caches, self.host_caches,
+            ops.swap_blocks(self.kv_caches, self._host(),
                             torch.tensor(batch.blocks_to_swap_out, dtype=torch.int64))
         if batch.blocks_to_swap_in:
-            ops.swap_blocks(self.host_caches, self.kv_caches,
+            ops.swap_blocks(self._host(), self.kv_caches,
                             torch.tensor(batch.blocks_to_swap_in, dtype=torch.int64))
         if batch.blocks_to_copy:
             ops.copy_blocks(self.kv_caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
