@@ -1,0 +1,208 @@
+"""Python face of the CUDA/ROCm kernels in csrc/ (the `pagedllm._C` extension).
+
+The extension is the installed `pagedllm._C` when present; otherwise the same sources are built on
+first use with torch.utils.cpp_extension.load into a cache directory ($PAGEDLLM_CACHE_DIR, default
+~/.cache/pagedllm/kernels/<hash of sources + torch version>). Importing this module imports nothing
+heavy: torch and the extension are loaded by the first call.
+
+KV-cache layout (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_size];
+key_cache = kv_cache[0], value_cache = kv_cache[1]; any layout with a contiguous last dim works.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # .../pagedllm
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+def csrc_dir() -> Path | None:
+    """Kernel sources: pagedllm/_csrc (non-editable install) or pagedllm/../csrc (repository)."""
+    for candidate in (_PACKAGE_DIR / "_csrc", _PACKAGE_DIR.parent / "csrc"):
+        if (candidate / "setup_ext.py").is_file():
+            return candidate
+    return None
+
+
+def _setup_ext(src: Path) -> ModuleType:
+    """csrc/setup_ext.py loaded by path: the one list of sources and compile flags."""
+    spec = importlib.util.spec_from_file_location("pagedllm_csrc_setup_ext", src / "setup_ext.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_directory(files: Sequence[str], device: str) -> Path:
+    import torch
+
+    digest = hashlib.sha256(f"{torch.__version__}|{device}".encode())
+    for name in files:
+        digest.update(Path(name).name.encode())
+        digest.update(Path(name).read_bytes())
+    root = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm" / "kernels")
+    path = root / digest.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _jit_build() -> ModuleType:
+    src = csrc_dir()
+    if src is None:
+        raise RuntimeError(
+            "pagedllm._C is not installed and the kernel sources (csrc/) were not found next to "
+            f"the package ({_PACKAGE_DIR}); reinstall pagedllm with its csrc package data"
+        )
+    ext = _setup_ext(src)
+    device = ext.target_device()
+    if device == "cpu":
+        raise RuntimeError(
+            "cannot build the pagedllm GPU kernels: torch has no CUDA/HIP support or no nvcc/hipcc "
+            "was found (set CUDA_HOME or ROCM_HOME), or PAGEDLLM_TARGET_DEVICE=cpu"
+        )
+    from torch.utils.cpp_extension import load
+
+    ext.ensure_default_arch(device)
+    sources = ext.kernel_sources(src)
+    build_dir = _build_directory(sources + ext.kernel_headers(src), device)
+    flags = ext.compile_args(device)
+    logger.info("building pagedllm %s kernels in %s (first use; takes a few minutes)", device, build_dir)
+    return load(
+        name="pagedllm_C",
+        sources=sources,
+        extra_cflags=flags["cxx"],
+        extra_cuda_cflags=flags["nvcc"],
+        extra_include_paths=[str(src)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1",
+    )
+
+
+def load_kernels() -> ModuleType:
+    """The kernel module: installed pagedllm._C, else JIT-built. Raises RuntimeError with the reason."""
+    global _module
+    with _lock:
+        if _module is None:
+            try:
+                from pagedllm import _C  # type: ignore[attr-defined]
+
+                _module = _C
+            except ImportError:
+                _module = _jit_build()
+        return _module
+
+
+def kernels_available(build: bool = False) -> tuple[bool, str]:
+    """(ok, reason); never raises. build=True also loads (and if needed compiles) the kernels."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        return False, f"torch is not importable: {exc}"
+    try:
+        if not (torch.version.cuda or torch.version.hip):
+            return False, f"torch {torch.__version__} was built without CUDA or ROCm support"
+        if not torch.cuda.is_available():
+            return False, "no CUDA/ROCm device is visible (torch.cuda.is_available() is False)"
+        if _module is not None:
+            return True, "kernels loaded"
+        if build:
+            load_kernels()
+            return True, "kernels loaded"
+        if importlib.util.find_spec("pagedllm._C") is not None:
+            return True, "pagedllm._C is installed"
+        src = csrc_dir()
+        if src is None:
+            return False, "pagedllm._C is not installed and the csrc/ kernel sources are missing"
+        device = _setup_ext(src).target_device()
+        if device == "cpu":
+            return False, "pagedllm._C is not installed and no nvcc/hipcc was found to build it"
+        return True, f"kernels will be JIT-built for {device} on first use"
+    except Exception as exc:  # noqa: BLE001 - the contract is to report, not raise
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops. Shapes: query/out [num_seqs, num_heads, head_size]; caches [num_blocks, block_size,
+# num_kv_heads, head_size]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged context; fills and returns out.
+
+    max_seq_len must be >= every seq_len (longer sequences are truncated). Contexts longer than
+    one partition (PARTITION_SIZE tokens) use float32 scratch buffers allocated here.
+    """
+    import torch
+
+    kernels = load_kernels()
+    partition = int(kernels.PARTITION_SIZE)
+    num_partitions = max(1, (int(max_seq_len) + partition - 1) // partition)
+    tmp_out = exp_sums = max_logits = None
+    if num_partitions > 1:
+        num_seqs, num_heads, head_size = query.shape
+        f32 = dict(dtype=torch.float32, device=query.device)
+        tmp_out = torch.empty(num_seqs, num_heads, num_partitions, head_size, **f32)
+        exp_sums = torch.empty(num_seqs, num_heads, num_partitions, **f32)
+        max_logits = torch.empty(num_seqs, num_heads, num_partitions, **f32)
+    kernels.paged_attention(
+        out, query, key_cache, value_cache, int(num_kv_heads), float(scale), block_tables,
+        seq_lens, int(block_size), int(max_seq_len), tmp_out, exp_sums, max_logits,
+    )
+    return out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_size] at slot_mapping [num_tokens] (int64).
+
+    slot = block * block_size + offset; negative slots (padding) and slots past the cache are skipped.
+    """
+    load_kernels().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy block src -> dst in every layer's caches; block_mapping [num_pairs, 2] int64 (CPU or GPU)."""
+    load_kernels().copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks between a GPU cache and a CPU cache (pin it for asynchronous copies).
+
+    src/dst: [num_blocks, ...] with each block contiguous; block_mapping [num_pairs, 2] int64 on CPU.
+    Enqueued on the current stream of the GPU side.
+    """
+    load_kernels().swap_blocks(src, dst, block_mapping)
