@@ -38,6 +38,7 @@ class BlockManager:
         self._keys: dict[int, list[Hashable]] = {}
         # seq_id -> how many leading blocks have been offered to the cache
         self._registered: dict[int, int] = {}
+        self.num_prefix_hit_blocks = 0  # cumulative, for stats and tests
 
     # --- content keys (prefix caching) ---------------------------------------------------
     def _block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
@@ -112,6 +113,7 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         for block in hits:
             self.device.incref(block)
+        self.num_prefix_hit_blocks += len(hits)
         table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self._registered[seq.seq_id] = len(hits)
