@@ -33,7 +33,7 @@ __global__ void PL_LAUNCH_BOUNDS(kCopyThreads)
   const int64_t block = slot / block_size;
   const int64_t offset = slot % block_size;
   const int total = num_kv_heads * units_per_row;
-  for (int idx = threadIdx.x; idx < total; idx += kCopyThreads) {
+  for (int idx = static_cast<int>(threadIdx.x); idx < total; idx += kCopyThreads) {
     const int head = idx / units_per_row;
     const int64_t unit_bytes = static_cast<int64_t>(idx % units_per_row) * sizeof(CopyT);
     const char* k_src = key + token * key_addr.outer + head * key_addr.head + unit_bytes;

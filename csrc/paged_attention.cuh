@@ -125,12 +125,14 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   __shared__ float red_max[kAttnWarps][GQA];
   __shared__ float red_sum[kAttnWarps][GQA];
 
+  const int tid = threadIdx.x;
+  const int head_chunk = blockIdx.x;
   const int seq = blockIdx.y;
   const int partition = blockIdx.z;
   const int num_partitions = gridDim.z;
   const int chunks_per_kv = (q_per_kv + GQA - 1) / GQA;
-  const int kv_head = blockIdx.x / chunks_per_kv;
-  const int first_in_group = (blockIdx.x % chunks_per_kv) * GQA;   // within the kv group
+  const int kv_head = head_chunk / chunks_per_kv;
+  const int first_in_group = (head_chunk % chunks_per_kv) * GQA;  // within the kv group
   const int head0 = kv_head * q_per_kv + first_in_group;          // query heads head0 + g
   const int num_valid_heads = const_min(GQA, q_per_kv - first_in_group);
 
@@ -140,7 +142,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     // Only an empty sequence gets here with one partition: its output is zero.
     if (num_partitions == 1) {
       T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride;
-      for (int idx = threadIdx.x; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
+      for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
         store_from_float(out + (head0 + idx / HEAD_SIZE) * a.out_head_stride + idx % HEAD_SIZE, 0.f);
       }
     }
@@ -149,8 +151,8 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   const int part_end = const_min(part_start + kPartitionSize, seq_len);
   const int part_tokens = part_end - part_start;
 
-  const int warp = threadIdx.x / WARP_SIZE;
-  const int lane = threadIdx.x % WARP_SIZE;
+  const int warp = tid / WARP_SIZE;
+  const int lane = tid % WARP_SIZE;
   const int slot = lane / GROUP;    // token slot of this lane within a warp step
   const int glane = lane % GROUP;   // lane within the token group; owns vectors glane + i * GROUP
 
@@ -242,7 +244,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 #pragma unroll
   for (int g = 0; g < GQA; ++g) {
     float local_sum = 0.f;
-    for (int t = threadIdx.x; t < part_tokens; t += kAttnThreads) {
+    for (int t = tid; t < part_tokens; t += kAttnThreads) {
       float* logit = logits + g * kPartitionSize + t;
       const float p = block_max[g] == -INFINITY ? 0.f : expf(*logit - block_max[g]);
       *logit = p;
@@ -321,7 +323,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 
   // ---- Output ---------------------------------------------------------------------------------
   const int64_t row0 = static_cast<int64_t>(seq) * a.num_heads + head0;  // (seq, head0) row
-  for (int idx = threadIdx.x; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
+  for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
     const int g = idx / HEAD_SIZE;
     const int d = idx % HEAD_SIZE;
     float sum = 0.f;
@@ -339,8 +341,8 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
       a.tmp_out[((row0 + g) * num_partitions + partition) * HEAD_SIZE + d] = value;
     }
   }
-  if (num_partitions > 1 && threadIdx.x < num_valid_heads) {
-    const int g = threadIdx.x;
+  if (num_partitions > 1 && tid < num_valid_heads) {
+    const int g = tid;
     float sum = 0.f;
     float max_logit = -INFINITY;
     for (int w = 0; w < kAttnWarps; ++w) {
@@ -358,6 +360,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 template <typename T>
 __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
     paged_attention_reduce_kernel(const PagedAttentionArgs a, int block_shift, int num_partitions) {
+  const int tid = threadIdx.x;
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride + head * a.out_head_stride;
@@ -375,7 +378,7 @@ __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
     for (int p = 0; p < used; ++p) weight_sum += exp_sums[p] * expf(max_logits[p] - global_max);
   }
   const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-  for (int d = threadIdx.x; d < a.head_size; d += kReduceThreads) {
+  for (int d = tid; d < a.head_size; d += kReduceThreads) {
     float value = 0.f;
     if (inv > 0.f) {
       for (int p = 0; p < used; ++p) {

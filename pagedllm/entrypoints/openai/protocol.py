@@ -1,0 +1,228 @@
+"""Request bodies of the OpenAI API (plus vLLM's sampling extras), validated strictly.
+
+Types are strict (``"5"`` is not an integer, ``true`` is not a number) and ranges are checked
+here, so a bad field becomes a 400 whose ``param`` names it. Limits that depend on the server
+(--max-n, --max-logprobs, the model's length and vocabulary) are checked by the serving code.
+Unknown fields are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+def _check_stop(value: Any) -> str | list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("stop must be a string or a list of strings")
+    if any(s == "" for s in items):
+        raise ValueError("stop strings must be non-empty")
+    return value
+
+
+class SamplingRequest(_Strict):
+    """The fields shared by completions and chat completions."""
+
+    model: str | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegativeInt | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    timeout_seconds: Seconds | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value not in (0, -1):
+            raise ValueError("top_k must be -1 or 0 (disabled) or an integer >= 1")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists; none empty."""
+    def is_id(t: Any) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+
+    shape = ("prompt must be a string, a list of strings, a list of token ids or a list of "
+             "lists of token ids")
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("prompt is empty")
+        return value
+    if not isinstance(value, list):
+        raise ValueError(shape)
+    if not value:
+        raise ValueError("prompt is an empty list")
+    if all(isinstance(p, str) for p in value):
+        if any(not p for p in value):
+            raise ValueError("prompt contains an empty string")
+        return value
+    if all(is_id(t) for t in value):
+        return value
+    if all(isinstance(p, list) and all(is_id(t) for t in p) for p in value):
+        if any(not p for p in value):
+            raise ValueError("prompt contains an empty list of token ids")
+        return value
+    raise ValueError(shape)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any
+    best_of: PositiveInt | None = None
+    echo: bool | None = False
+    logprobs: NonNegativeInt | None = None
+    suffix: str | None = None
+    add_special_tokens: bool | None = True
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported by this server")
+        return value
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"content part type {part.type!r} is not supported: "
+                                     "only {'type': 'text', 'text': ...} parts are")
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+    def to_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Messages
+    logprobs: bool | None = False
+    top_logprobs: NonNegativeInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calling is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            raise ValueError(f"response_format type {value.type!r} is not supported: only 'text'")
+        return value
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,135 @@
+"""LLMEngine request lifecycle: validation, abort, timeout, stats, and the LLM front end."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedllm import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
+from pagedllm.testing.invariants import assert_drained
+
+
+def run_all(engine: LLMEngine) -> dict[str, RequestOutput]:
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def test_generate_accepts_every_prompt_form_in_order(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = tok("hello there").input_ids
+    by_text = llm.generate("hello there", p, use_tqdm=False)
+    by_ids = llm.generate({"prompt_token_ids": ids}, p, use_tqdm=False)
+    assert by_text[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
+    assert by_text[0].prompt == "hello there" and by_text[0].prompt_token_ids == ids
+    outs = llm.generate(["a", "bb", {"prompt_token_ids": [5, 6]}], use_tqdm=False,
+                        sampling_params=[p, SamplingParams(max_tokens=2, temperature=0.0,
+                                                           ignore_eos=True), p])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 2, 4]
+    assert [o.prompt for o in outs] == ["a", "bb", None]
+    assert all(o.finished for o in outs)
+    with pytest.raises(ValueError, match="sampling_params has 2 entries for 3 prompts"):
+        llm.generate(["a", "b", "c"], [p, p], use_tqdm=False)
+
+
+def test_chat_applies_template(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                   use_tqdm=False)
+    expected = llm.get_tokenizer()("<|user|>hi\n<|assistant|>").input_ids
+    assert out[0].prompt_token_ids == expected and len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"prompt_token_ids": [1, 10**6]}, "out of range"),
+    ({"prompt_token_ids": [5] * 300}, "max_model_len=256"),
+    (3.5, "prompt must be"),
+])
+def test_bad_prompts_are_rejected(llm: LLM, prompt: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.llm_engine.add_request("bad", prompt, SamplingParams())
+    assert_drained(llm.llm_engine)
+
+
+def test_duplicate_request_id_rejected(llm: LLM) -> None:
+    eng = llm.llm_engine
+    eng.add_request("dup", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("dup", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    run_all(eng)
+    assert_drained(eng)
+
+
+def test_abort_in_flight_reports_abort_and_frees(llm: LLM) -> None:
+    eng = llm.llm_engine
+    p = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    eng.add_request("keep", {"prompt_token_ids": [5, 6, 7]}, p)
+    eng.add_request("drop", {"prompt_token_ids": [8, 9, 10]}, p)
+    eng.add_request("never", {"prompt_token_ids": [11]}, p)
+    eng.abort_request("never")
+    early = {o.request_id: o for _ in range(3) for o in eng.step() if o.finished}
+    eng.abort_request(["drop"])
+    final = {**early, **run_all(eng)}
+    assert final["drop"].outputs[0].finish_reason == "abort"
+    assert 0 < len(final["drop"].outputs[0].token_ids) < 50
+    assert final["never"].outputs[0].finish_reason == "abort"
+    assert len(final["keep"].outputs[0].token_ids) == 50
+    assert_drained(eng)
+
+
+def test_timeout_returns_partial_output(llm: LLM) -> None:
+    eng = llm.llm_engine
+    eng.add_request("slow", {"prompt_token_ids": [5, 6, 7]},
+                    SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
+                                   timeout_seconds=0.3))
+    start = time.monotonic()
+    final = run_all(eng)
+    out = final["slow"].outputs[0]
+    assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < 200
+    assert time.monotonic() - start < 5
+    assert_drained(eng)
+
+
+def test_engine_from_engine_args_and_stats(llama_path: str) -> None:
+    eng = LLMEngine.from_engine_args(EngineArgs(model=llama_path, device="cpu", dtype="float32",
+                                                num_gpu_blocks_override=40, block_size=8))
+    s = eng.stats()
+    assert (s.num_blocks, s.num_free_blocks, s.block_size) == (40, 40, 8)
+    eng.add_request("a", {"prompt_token_ids": list(range(3, 30))},
+                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert eng.get_num_unfinished_requests() == 1
+    eng.step()
+    s = eng.stats()
+    assert s.num_running == 1 and s.num_free_blocks == 40 - 4
+    run_all(eng)
+    assert_drained(eng)
+
+
+def test_invalid_engine_args_name_the_field(llama_path: str) -> None:
+    with pytest.raises(ValueError, match="block_size=3"):
+        LLM(llama_path, device="cpu", block_size=3)
+    with pytest.raises(ValueError, match="preemption_mode='later'"):
+        LLM(llama_path, device="cpu", preemption_mode="later")
+    with pytest.raises(ValueError, match=r"max_model_len=100000.*\[1, 512\]"):
+        LLM(llama_path, device="cpu", max_model_len=100000)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(llama_path, device="cpu", dtype="int3")
+    with pytest.raises(ValueError, match="not a local folder"):
+        LLM("meta-llama/nonexistent", device="cpu")
+
+
+def test_unsupported_architecture_lists_supported(tmp_path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2"}))
+    from pagedllm.testing.checkpoints import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
