@@ -87,6 +87,33 @@ class Worker:
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
                                   self.config.model.seed)
 
+    def profile_run(self) -> None:
+        """One forward + sample at the largest batch the scheduler may send (for memory sizing).
+
+        Uses a throwaway cache just big enough for the dummy batch.
+        """
+        from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
+        from pagedllm.sampling_params import SamplingParams
+
+        sched = self.config.scheduler
+        bs = self.config.cache.block_size
+        tokens = sched.max_num_batched_tokens
+        num_seqs = max(1, min(sched.max_num_seqs, tokens))
+        per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+        seqs, next_block = [], 0
+        for n in sorted(per_seq, reverse=True):
+            blocks = -(-n // bs)
+            seqs.append(ScheduledSeq(seq_id=len(seqs), token_ids=[0] * n, start_pos=0,
+                                     block_table=list(range(next_block, next_block + blocks)),
+                                     sampling_params=params, num_samples=1, prompt_len=n))
+            next_block += blocks
+        caches = [torch.zeros(self.kv_layer_shape(next_block), dtype=self.dtype, device=self.device)
+                  for _ in range(self.config.model.get_num_layers())]
+        assert self.runner is not None
+        self.runner.execute(ScheduledBatch(seqs=seqs), caches)
+        del caches
+
     def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.config.model
         kv_heads = max(1, m.get_num_kv_heads() // self.tp.size)

@@ -1,0 +1,78 @@
+"""The cuda backend: csrc/ paged-attention and cache kernels, CUDA graphs for decode."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from pagedllm.backends.attention import AttentionImpl
+from pagedllm.backends.interface import Backend, Capabilities, CacheOps
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.worker.worker import Worker
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    torch_device = "cuda"
+    dist_backend = "nccl"
+    default_dtype = "bfloat16"
+    capabilities = Capabilities(graphs=True, swap=True, static_shapes=False, prefix_caching=True,
+                                chunked_prefill=True, dtypes=("bfloat16", "float16", "float32"),
+                                preferred_block_size=16, block_sizes=(16, 32))
+    # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
+    platform: ClassVar[str] = "cuda"
+    warp_size: ClassVar[int] = 32
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            import torch
+        except ImportError as exc:
+            return False, f"torch is not importable: {exc}"
+        version = torch.version.hip if cls.platform == "rocm" else torch.version.cuda
+        if not version:
+            return False, (f"torch {torch.__version__} was built without "
+                           f"{'ROCm (HIP)' if cls.platform == 'rocm' else 'CUDA'} support")
+        try:
+            count = torch.cuda.device_count()
+        except Exception as exc:  # a broken driver must not break the backend table
+            return False, f"cannot query devices: {exc}"
+        if count == 0:
+            return False, f"no {cls.platform.upper()} device is visible (device_count() == 0)"
+        return True, f"{count} device(s), {cls.platform} {version}"
+
+    def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
+        choice = config.attention_backend or "kernels"
+        if choice == "kernels":
+            from pagedllm.backends.cuda.attention import CudaPagedAttention
+
+            return CudaPagedAttention
+        if choice == "torch":
+            from pagedllm.backends.cpu.attention import TorchPagedAttention
+
+            return TorchPagedAttention
+        raise ValueError(f"attention_backend={choice!r} is not available on {self.name}; "
+                         "allowed: kernels, torch")
+
+    def cache_ops(self) -> CacheOps:
+        from pagedllm.backends.cuda.cache_ops import KernelCacheOps
+
+        return KernelCacheOps()
+
+    def worker_cls(self) -> type[Worker]:
+        from pagedllm.backends.cuda.worker import CudaWorker
+
+        return CudaWorker
+
+    def device_count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def host_pin_memory(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()

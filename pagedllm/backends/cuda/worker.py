@@ -1,0 +1,56 @@
+"""The cuda worker: one GPU, a KV cache sized by profiling, CUDA graphs for decode."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.backends.cuda.graphs import DecodeGraphs, graph_batch_sizes
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class CudaWorker(Worker):
+    graphs: DecodeGraphs | None = None
+
+    def select_device(self) -> torch.device:
+        device = torch.device("cuda", self.tp.rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        return device
+
+    def available_kv_bytes(self) -> int:
+        """total * gpu_memory_utilization minus the weights, the activation peak of a full-size
+        step, and memory held outside torch's allocator (other processes, CUDA context)."""
+        if self.config.cache.kv_cache_space_gib is not None:
+            return super().available_kv_bytes()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(0, outside_torch)
+        torch.cuda.empty_cache()
+        logger.info("KV cache budget %.2f GiB (total %.1f, torch peak %.2f, outside torch %.2f)",
+                    budget / 2**30, total / 2**30, peak / 2**30, outside_torch / 2**30)
+        return max(0, budget)
+
+    def after_cache_init(self) -> None:
+        if self.config.enforce_eager:
+            return
+        assert self.model is not None
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
+                                   self.config.model.max_model_len, sizes, self.device)
+        self.graphs.capture()
+
+    def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        assert self.runner is not None
+        if self.graphs is not None and self.graphs.can_run(batch):
+            inp = self.runner.prepare(batch)
+            logits = self.graphs.run(inp)
+            return self.runner.sample(batch, inp, logits)
+        return self.runner.execute(batch, self.kv_caches)
