@@ -72,3 +72,24 @@ def test_greedy_matches_transformers(arch: str, mode: str, reference) -> None:
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
     if mode == "prefix_caching":
         assert stats.num_cached_blocks > 0
+
+
+def test_pytorch_bin_checkpoint_loads_with_weights_only(tmp_path, reference) -> None:
+    """A .bin checkpoint (torch.load(weights_only=True)) gives the same tokens."""
+    import glob
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    path, expected = reference("llama")
+    shutil.copytree(path, tmp_path / "bin", ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        state.update(load_file(f))
+    torch.save(state, tmp_path / "bin" / "pytorch_model.bin")
+    llm = LLM(str(tmp_path / "bin"), device="cpu", dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
