@@ -50,7 +50,12 @@ setup(
         "test": ["pytest", "pytest-timeout", "openai", "httpx"],
         "ray": ["ray"],
     },
-    entry_points={"console_scripts": ["pagedllm=pagedllm.entrypoints.cli:main"]},
+    entry_points={
+        "console_scripts": ["pagedllm=pagedllm.entrypoints.cli:main"],
+        # the conformance suite's --device option and capability report (named like its module,
+        # so an explicit `-p pagedllm.testing.plugin` does not register it twice)
+        "pytest11": ["pagedllm.testing.plugin = pagedllm.testing.plugin"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

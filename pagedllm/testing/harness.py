@@ -1,0 +1,101 @@
+"""Building blocks the conformance tests share: configs, attention layers, caches, tolerances.
+
+Everything here reaches the backend through the plugin contract only (``attention_cls(config)``,
+``kv_cache_shape``, ``cache_ops()``, ``capabilities``, ``torch_device``); nothing assumes a cache
+layout beyond "dim 1 indexes blocks".
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.backends.attention import AttentionImpl
+from pagedllm.backends.interface import Backend
+from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig)
+
+# every dtype the engine knows; a backend declares a subset in capabilities.dtypes
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (atol, rtol) of a backend result against the float64 reference computed from the same
+# dtype-rounded inputs: output rounding plus reduced-precision accumulation
+TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2), "float16": (4e-3, 4e-3)}
+# stale finite values standing in for whatever an earlier request left in a block; attention
+# that reads past a sequence's length (or a pad slot) picks them up and misses the reference
+GARBAGE_MEAN = 40.0
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return TORCH_DTYPES[name]
+
+
+def tolerance(dtype: str) -> dict[str, float]:
+    atol, rtol = TOLERANCES[dtype]
+    return {"atol": atol, "rtol": rtol}
+
+
+def tiny_hf_config(num_heads: int, num_kv_heads: int, head_size: int) -> Any:
+    """A one-layer Llama config with the given attention shape (what attention_cls may inspect)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=259, hidden_size=num_heads * head_size, head_dim=head_size,
+                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                       num_hidden_layers=1, intermediate_size=64, max_position_embeddings=4096)
+
+
+def raw_config(backend: Backend, *, dtype: str, block_size: int, num_heads: int = 4,
+               num_kv_heads: int = 2, head_size: int = 64, **features: Any) -> EngineConfig:
+    """An EngineConfig for one attention shape, not yet seen by the backend. ``features``:
+    enable_prefix_caching, enable_chunked_prefill, preemption_mode."""
+    hf_config = tiny_hf_config(num_heads, num_kv_heads, head_size)
+    model = ModelConfig(model="pagedllm-conformance", tokenizer="pagedllm-conformance",
+                        dtype=dtype, max_model_len=4096, hf_config=hf_config)
+    cache = CacheConfig(block_size=block_size,
+                        enable_prefix_caching=features.pop("enable_prefix_caching", False))
+    sched = SchedulerConfig(max_num_seqs=16, **features)
+    sched.resolve(model.max_model_len)
+    return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=ParallelConfig(),
+                        device=backend.name)
+
+
+def make_config(backend: Backend, **kwargs: Any) -> EngineConfig:
+    """``raw_config`` adjusted by the backend, as the engine does before building a worker."""
+    config = raw_config(backend, **kwargs)
+    backend.check_and_update_config(config)
+    return config
+
+
+def make_attention(backend: Backend, *, dtype: str, block_size: int, num_heads: int,
+                   num_kv_heads: int, head_size: int) -> AttentionImpl:
+    """The backend's attention implementation for this shape, built as a model layer builds it."""
+    config = make_config(backend, dtype=dtype, block_size=block_size, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_size=head_size)
+    cls = backend.attention_cls(config)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionImpl)):
+        raise TypeError(f"{type(backend).__name__}.attention_cls() returned {cls!r}, which is not "
+                        "an AttentionImpl subclass")
+    return cls(num_heads, head_size, num_kv_heads, head_size ** -0.5)
+
+
+def cache_shape(impl: AttentionImpl, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return tuple(impl.kv_cache_shape(num_blocks, block_size, impl.num_kv_heads, impl.head_size))
+
+
+def garbage_cache(impl: AttentionImpl, num_blocks: int, block_size: int, dtype: str,
+                  device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    """A cache full of finite stale values (not zeros: zeros hide reads of unwritten slots)."""
+    shape = cache_shape(impl, num_blocks, block_size)
+    values = torch.randn(shape, generator=generator) + GARBAGE_MEAN
+    return values.to(torch_dtype(dtype)).to(device)
+
+
+def nan_cache(shape: tuple[int, ...], dtype: str, device: torch.device) -> torch.Tensor:
+    """A cache poisoned with NaN, so every element a call fails to write stays visible."""
+    return torch.full(shape, float("nan"), dtype=torch_dtype(dtype), device=device)
+
+
+def block_sizes_to_test(block_sizes: tuple[int, ...], preferred: int) -> list[int]:
+    """The smallest, the preferred and the largest declared block size (at most three)."""
+    sizes = sorted(block_sizes)
+    return sorted({sizes[0], preferred if preferred in sizes else sizes[0], sizes[-1]})

@@ -1,0 +1,133 @@
+"""Random paged-attention batches and their float64 reference results.
+
+A ``PagedBatch`` is one engine step: some sequences prefill (possibly over context already in the
+cache: prefix-cache hits or earlier chunks), the rest decode one token. Blocks are handed out
+from a shuffled pool, so block tables are neither contiguous nor sorted, and table rows are
+padded with block 0, which belongs to some other sequence (as the engine's tables are). The
+metadata is built by the engine's own ``build_metadata``, so the suite feeds a backend exactly
+what the model runner would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+from pagedllm.core.batch import ScheduledSeq
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import build_metadata
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    context_len: int  # tokens already in the cache before this step
+    query_len: int  # tokens computed this step (1 for a decode)
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass
+class PagedBatch:
+    specs: list[SeqSpec]  # multi-token (prefill) entries first, then decodes
+    block_size: int
+    num_blocks: int
+    block_tables: list[list[int]]
+    # this step's tokens, rows in batch order: query [T, H, D], key/value [T, kvH, D]
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    # per sequence, the K/V already cached: [context_len, kvH, D]
+    context_keys: list[torch.Tensor] = field(default_factory=list)
+    context_values: list[torch.Tensor] = field(default_factory=list)
+
+    @staticmethod
+    def random(specs: list[SeqSpec], *, num_heads: int, num_kv_heads: int, head_size: int,
+               block_size: int, dtype: torch.dtype, device: torch.device,
+               generator: torch.Generator, spare_blocks: int = 3) -> PagedBatch:
+        """Fresh random inputs (rounded to ``dtype``) laid out in a shuffled block pool."""
+        needed = [-(-s.seq_len // block_size) for s in specs]
+        num_blocks = sum(needed) + spare_blocks
+        pool = torch.randperm(num_blocks, generator=generator).tolist()
+        tables, at = [], 0
+        for n in needed:
+            tables.append(pool[at:at + n])
+            at += n
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=generator).to(dtype).to(device)
+
+        t = sum(s.query_len for s in specs)
+        return PagedBatch(
+            specs=specs, block_size=block_size, num_blocks=num_blocks, block_tables=tables,
+            query=rand(t, num_heads, head_size), key=rand(t, num_kv_heads, head_size),
+            value=rand(t, num_kv_heads, head_size),
+            context_keys=[rand(s.context_len, num_kv_heads, head_size) for s in specs],
+            context_values=[rand(s.context_len, num_kv_heads, head_size) for s in specs])
+
+    # --- metadata ------------------------------------------------------------------------
+    def _scheduled(self, seq_id: int, start: int, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq_id=seq_id, token_ids=[0] * n, start_pos=start,
+                            block_table=self.block_tables[seq_id],
+                            sampling_params=SamplingParams(), num_samples=1)
+
+    def step_metadata(self, device: torch.device, pad_tokens_to: int = 0) -> AttentionMetadata:
+        """The metadata the model runner builds for this step (pad rows get slot -1)."""
+        seqs = [self._scheduled(i, s.context_len, s.query_len) for i, s in enumerate(self.specs)]
+        return build_metadata(seqs, self.block_size, device, pad_tokens_to=pad_tokens_to)[2]
+
+    def write_context(self, impl: AttentionImpl, kv_cache: torch.Tensor,
+                      device: torch.device) -> None:
+        """Store every sequence's cached context with the backend's own ``write_kv``."""
+        for i, s in enumerate(self.specs):
+            if s.context_len == 0:
+                continue
+            meta = build_metadata([self._scheduled(i, 0, s.context_len)], self.block_size,
+                                  device)[2]
+            impl.write_kv(self.context_keys[i], self.context_values[i], kv_cache, meta)
+
+    def run(self, impl: AttentionImpl, kv_cache: torch.Tensor, device: torch.device,
+            pad_tokens_to: int = 0) -> torch.Tensor:
+        """The backend's ``forward`` for this step; [T (+ pad rows), num_heads, head_size]."""
+        meta = self.step_metadata(device, pad_tokens_to)
+        t = meta.slot_mapping.shape[0]
+        q, k, v = self.query, self.key, self.value
+        if t > q.shape[0]:  # pad rows carry arbitrary values, as a padded model input does
+            extra = t - q.shape[0]
+            q = torch.cat([q, q[:1].expand(extra, -1, -1)])
+            k = torch.cat([k, k[:1].expand(extra, -1, -1)])
+            v = torch.cat([v, v[:1].expand(extra, -1, -1)])
+        out = impl.forward(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), kv_cache, meta)
+        if tuple(out.shape) != (t, impl.num_heads * impl.head_size):
+            raise AssertionError(f"forward returned shape {tuple(out.shape)}, expected "
+                                 f"{(t, impl.num_heads * impl.head_size)}")
+        return out.view(t, impl.num_heads, impl.head_size)
+
+    # --- reference -----------------------------------------------------------------------
+    def reference(self, scale: float) -> torch.Tensor:
+        """float64 causal attention of each query over its sequence; [T, H, D] on the CPU."""
+        outs, row = [], 0
+        for i, s in enumerate(self.specs):
+            rows = slice(row, row + s.query_len)
+            k = torch.cat([self.context_keys[i].cpu(), self.key[rows].cpu()]).double()
+            v = torch.cat([self.context_values[i].cpu(), self.value[rows].cpu()]).double()
+            outs.append(reference_attention(self.query[rows].cpu().double(), k, v,
+                                            s.context_len, scale))
+            row += s.query_len
+        return torch.cat(outs)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                        scale: float) -> torch.Tensor:
+    """q [n, H, D] at positions start..start+n-1; k/v [start+n, kvH, D]; causal; GQA by
+    repeating each kv head for H // kvH consecutive query heads. Returns [n, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, n, L]
+    q_pos = start + torch.arange(q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

@@ -1,0 +1,239 @@
+"""pytest plugin of the backend conformance suite (registered as a ``pytest11`` entry point).
+
+    pytest --pyargs pagedllm.testing --device NAME      # any registered backend, plugins included
+
+Adds ``--device`` (default: $PAGEDLLM_TEST_DEVICE or ``cpu``), the ``capability`` marker, the
+``conformance_*`` fixtures, and a terminal summary of what the run covered. It only acts on tests
+of the ``pagedllm.testing`` package, so loading it into any other pytest run changes nothing
+there; it imports no torch (and no backend) until a conformance test asks for it.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pagedllm.testing.report import NOT_DECLARED, Coverage, capability_label
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.backends.interface import Backend, Capabilities
+
+SUITE_PREFIX = "pagedllm.testing."
+DEFAULT_DEVICE = "cpu"
+_COVERAGE = pytest.StashKey[Coverage]()
+_BACKEND_CLS = pytest.StashKey["type[Backend] | None"]()
+
+
+# --- options and markers -------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pagedllm", "pagedllm backend conformance suite")
+    help_text = ("backend the conformance suite checks (a name from `pagedllm backends`, "
+                 f"default: $PAGEDLLM_TEST_DEVICE or {DEFAULT_DEVICE})")
+    try:
+        group.addoption("--device", "--pagedllm-device", dest="pagedllm_device", default=None,
+                        help=help_text)
+    except ValueError:  # another plugin owns --device; keep the long spelling
+        group.addoption("--pagedllm-device", dest="pagedllm_device", default=None, help=help_text)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "capability(*names): a conformance check that needs these backend "
+        "capabilities (Capabilities fields, 'dtype:NAME', or 'cached_context' = prefix caching "
+        "or chunked prefill); skipped, and reported, when the backend does not declare them")
+    config.stash[_COVERAGE] = Coverage()
+    config.pluginmanager.register(_Recorder(config.stash[_COVERAGE]),
+                                  "pagedllm-conformance-recorder")
+
+
+def device_name(config: pytest.Config) -> str:
+    return (config.getoption("pagedllm_device", None) or os.environ.get("PAGEDLLM_TEST_DEVICE")
+            or DEFAULT_DEVICE).lower()
+
+
+def _in_suite(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return module is not None and module.__name__.startswith(SUITE_PREFIX)
+
+
+# --- capabilities --------------------------------------------------------------------------
+def has_capability(caps: Capabilities, name: str) -> bool:
+    if name.startswith("dtype:"):
+        return name[6:] in caps.dtypes
+    if name == "cached_context":  # prefill over KV already in the cache
+        return caps.prefix_caching or caps.chunked_prefill
+    value = getattr(caps, name, None)
+    if value is None:
+        raise ValueError(f"unknown capability {name!r} in a capability marker")
+    return bool(value)
+
+
+def _backend_class(config: pytest.Config) -> type[Backend] | None:
+    """The class registered under --device, or None when it is unknown or failed to load."""
+    if _BACKEND_CLS not in config.stash:
+        try:
+            from pagedllm.backends.registry import discover
+
+            info = discover().get(device_name(config))
+            config.stash[_BACKEND_CLS] = info.cls if info is not None else None
+        except Exception:  # reported by _check_backend with the registry's own message
+            config.stash[_BACKEND_CLS] = None
+    return config.stash[_BACKEND_CLS]
+
+
+def _check_backend(config: pytest.Config) -> None:
+    """Stop the run at once, with the registry's reason, when --device cannot run here."""
+    from pagedllm.backends.registry import discover
+
+    name = device_name(config)
+    try:
+        infos = discover()
+    except RuntimeError as exc:  # e.g. two packages claiming one name
+        raise pytest.UsageError(f"--device {name}: {exc}") from exc
+    info = infos.get(name)
+    if info is None:
+        raise pytest.UsageError(f"--device {name}: not a known backend; known: {', '.join(infos)}. "
+                                "Is the plugin package installed in this environment?")
+    ok, reason = info.availability()
+    if not ok or info.cls is None:
+        raise pytest.UsageError(f"--device {name} ({info.source}) is not available here: {reason}")
+    caps = info.cls.capabilities
+    from pagedllm.testing.harness import block_sizes_to_test
+
+    declared = [f for f in ("graphs", "swap", "static_shapes", "prefix_caching", "chunked_prefill")
+                if getattr(caps, f)]
+    cov = config.stash[_COVERAGE]
+    cov.backend, cov.source = name, info.source
+    tested = block_sizes_to_test(caps.block_sizes, caps.preferred_block_size)
+    cov.header = (f"backend {name!r} from {info.source}; torch device {info.cls.torch_device!r}; "
+                  f"dtypes {', '.join(caps.dtypes)}; block sizes tested "
+                  f"{', '.join(map(str, tested))}; declares "
+                  f"{', '.join(declared) or 'no optional capability'}")
+
+
+# --- collection ----------------------------------------------------------------------------
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not metafunc.module.__name__.startswith(SUITE_PREFIX):
+        return
+    if "conformance_dtype" in metafunc.fixturenames:
+        from pagedllm.testing.harness import ENGINE_DTYPES
+
+        metafunc.parametrize("conformance_dtype", ENGINE_DTYPES)
+    if "conformance_block_size" in metafunc.fixturenames:
+        from pagedllm.testing.harness import block_sizes_to_test
+
+        cls = _backend_class(metafunc.config)
+        sizes = ([16] if cls is None else
+                 block_sizes_to_test(cls.capabilities.block_sizes,
+                                     cls.capabilities.preferred_block_size))
+        metafunc.parametrize("conformance_block_size", sizes, ids=[f"bs{s}" for s in sizes])
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    suite = [item for item in items if _in_suite(item)]
+    if not suite:
+        return
+    _check_backend(config)
+    cov = config.stash[_COVERAGE]
+    for item in suite:
+        cov.area_of[item.nodeid] = getattr(item.module, "AREA", item.module.__name__)
+        cov.needs_of[item.nodeid] = _needs(item)
+
+
+def _needs(item: pytest.Item) -> list[str]:
+    needs = [n for m in item.iter_markers("capability") for n in m.args]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "conformance_dtype" in params:
+        needs.append(f"dtype:{params['conformance_dtype']}")
+    return needs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not _in_suite(item):
+        return
+    cls = _backend_class(item.config)
+    assert cls is not None  # _check_backend stopped the run otherwise
+    cov = item.config.stash[_COVERAGE]
+    for need in cov.needs_of.get(item.nodeid, []):
+        if not has_capability(cls.capabilities, need):
+            cov.missing[item.nodeid] = need
+            pytest.skip(f"backend {device_name(item.config)!r} {NOT_DECLARED}"
+                        f"{capability_label(need)}")
+
+
+class _Recorder:
+    """Feeds every test report of the session into its Coverage."""
+
+    def __init__(self, coverage: Coverage) -> None:
+        self.coverage = coverage
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.coverage.record(report.nodeid, report.when, report.outcome)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash[_COVERAGE].lines() if _COVERAGE in config.stash else []
+    if not lines:
+        return
+    terminalreporter.write_sep("=", f"pagedllm conformance: {config.stash[_COVERAGE].backend}")
+    for line in lines:
+        terminalreporter.write_line(line)
+
+
+# --- fixtures ------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def conformance_device_name(pytestconfig: pytest.Config) -> str:
+    """The --device the suite checks."""
+    return device_name(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def conformance_backend(conformance_device_name: str) -> Backend:
+    """An instance of the backend under test, resolved by name like ``--device NAME``."""
+    from pagedllm.backends.registry import resolve_backend
+
+    return resolve_backend(conformance_device_name)
+
+
+@pytest.fixture(scope="session")
+def conformance_caps(conformance_backend: Backend) -> Capabilities:
+    return conformance_backend.capabilities
+
+
+@pytest.fixture(scope="session")
+def conformance_device(conformance_backend: Backend) -> torch.device:
+    import torch
+
+    return torch.device(conformance_backend.torch_device)
+
+
+@pytest.fixture
+def conformance_rng() -> torch.Generator:
+    """A CPU generator with a fixed seed: fresh random inputs, reproducible failures."""
+    import torch
+
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def conformance_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small random-weight Llama checkpoint (GQA, head size 64) built once per run."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from pagedllm.testing.e2e import make_conformance_checkpoint
+
+    return make_conformance_checkpoint(str(tmp_path_factory.mktemp("conformance-llama")))
+
+
+@pytest.fixture(scope="session")
+def conformance_hf_reference(conformance_checkpoint: str,
+                             conformance_caps: Capabilities) -> tuple[list, list]:
+    """(prompts, Hugging Face greedy outputs) for the backend's preferred block size."""
+    from pagedllm.testing.e2e import hf_greedy, prompts
+
+    ps = prompts(conformance_caps.preferred_block_size)
+    return ps, hf_greedy(conformance_checkpoint, ps)

@@ -1,0 +1,89 @@
+"""Model ops as the backend registers them (``register_ops``) against the float64 reference.
+
+Ops a backend leaves alone run the torch reference on its device, which still checks that the
+device supports them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.backends.interface import Backend
+from pagedllm.models.layers import ops as reference
+from pagedllm.models.layers.ops import Ops
+from pagedllm.testing.harness import tolerance, torch_dtype
+
+AREA = "model ops"
+
+
+def _ops(backend: Backend) -> Ops:
+    ops = Ops()
+    backend.register_ops(ops)
+    return ops
+
+
+def _rand(rng: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=rng)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str) -> None:
+    assert got.dtype == torch_dtype(dtype), f"{what}: returned {got.dtype}, expected {dtype}"
+    got = got.cpu().double()
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    tol = tolerance(dtype)
+    # outputs of magnitude ~1-10 after a reduction: allow one rounding step of the dtype
+    assert torch.allclose(got, ref, atol=tol["atol"] * 4, rtol=tol["rtol"] * 4), (
+        f"{what}: max |error| {(got - ref).abs().max().item():.3g} vs float64 reference")
+
+
+def test_rms_norm(conformance_backend: Backend, conformance_dtype: str,
+                  conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
+    rng = conformance_rng
+    x, res, w = _rand(rng, 7, 256), _rand(rng, 7, 256), _rand(rng, 256)
+    dt, dev = torch_dtype(conformance_dtype), conformance_device
+    ops = _ops(conformance_backend)
+    normed, residual = ops.rms_norm(x.to(dt).to(dev), w.to(dt).to(dev), 1e-6, res.to(dt).to(dev))
+    ref_normed, ref_residual = reference.rms_norm(x.to(dt).double(), w.to(dt).double(), 1e-6,
+                                                  res.to(dt).double())
+    _close(normed, ref_normed, conformance_dtype, "rms_norm (normed)")
+    _close(residual, ref_residual, conformance_dtype, "rms_norm (new residual)")
+
+
+def test_rotary(conformance_backend: Backend, conformance_dtype: str,
+                conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
+    t, d = 9, 64
+    pos = torch.arange(t, dtype=torch.float64)[:, None]
+    freqs = pos * (10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))[None, :]
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)  # [T, D]
+    q, k = _rand(conformance_rng, t, 8, d), _rand(conformance_rng, t, 2, d)
+    dt, dev = torch_dtype(conformance_dtype), conformance_device
+    got_q, got_k = _ops(conformance_backend).rotary(q.to(dt).to(dev), k.to(dt).to(dev),
+                                                    cos.to(dt).to(dev), sin.to(dt).to(dev))
+    ref_q, ref_k = reference.rotary(q.to(dt).double(), k.to(dt).double(), cos.to(dt).double(),
+                                    sin.to(dt).double())
+    _close(got_q, ref_q, conformance_dtype, "rotary (query)")
+    _close(got_k, ref_k, conformance_dtype, "rotary (key)")
+
+
+def test_silu_and_mul(conformance_backend: Backend, conformance_dtype: str,
+                      conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
+    x = _rand(conformance_rng, 5, 2 * 96).to(torch_dtype(conformance_dtype))
+    got = _ops(conformance_backend).silu_and_mul(x.to(conformance_device))
+    _close(got, reference.silu_and_mul(x.double()), conformance_dtype, "silu_and_mul")
+
+
+def test_linear(conformance_backend: Backend, conformance_dtype: str,
+                conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
+    dt = torch_dtype(conformance_dtype)
+    layer = nn.Module()
+    weight = (_rand(conformance_rng, 96, 128) / 128 ** 0.5).to(dt)
+    bias = _rand(conformance_rng, 96).to(dt)
+    layer.weight = nn.Parameter(weight.to(conformance_device), requires_grad=False)
+    layer.bias = nn.Parameter(bias.to(conformance_device), requires_grad=False)
+    x = _rand(conformance_rng, 11, 128).to(dt)
+    ops = _ops(conformance_backend)
+    ops.linear_prepare(layer)
+    with torch.inference_mode():
+        got = ops.linear(x.to(conformance_device), layer)
+    ref = x.double() @ weight.double().T + bias.double()
+    _close(got, ref, conformance_dtype, "linear (after linear_prepare)")

@@ -1,0 +1,57 @@
+"""The backend conformance suite (pagedllm.testing) run for the in-tree cpu backend, exactly as a
+vendor runs it for theirs: ``pytest --pyargs pagedllm.testing --device cpu``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+
+def run_suite(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env.pop("PAGEDLLM_TEST_DEVICE", None)
+    env.pop("PAGEDLLM_BACKENDS", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--pyargs", "pagedllm.testing", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_pytest_plugin_is_registered() -> None:
+    names = {ep.name: ep.value for ep in entry_points(group="pytest11")}
+    assert names.get("pagedllm.testing.plugin") == "pagedllm.testing.plugin", (
+        "the pytest11 entry point is missing: reinstall pagedllm (pip install -e .)")
+
+
+def test_suite_passes_on_cpu() -> None:
+    proc = run_suite("--device", "cpu")
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:] + proc.stderr[-2000:]
+    assert "pagedllm conformance: cpu" in out
+    # cpu declares swap, prefix caching, chunked prefill and three dtypes; graphs and static
+    # shapes are reported as not checked
+    assert "graphs" in out.split("not declared by the backend")[1]
+    assert "static_shapes" in out.split("not declared by the backend")[1]
+    for area in ("attention", "cache write/copy/swap", "end-to-end (HF equality)", "sampling",
+                 "model ops", "contract"):
+        assert area in out
+
+
+def test_unavailable_device_stops_the_run_with_the_reason() -> None:
+    from pagedllm.backends.registry import discover
+
+    unavailable = [n for n, i in discover().items() if not i.availability()[0]]
+    if not unavailable:
+        pytest.skip("every known backend is available here")
+    name = unavailable[0]
+    proc = run_suite("--device", name, timeout=300)
+    assert proc.returncode == 4, proc.stdout[-3000:]  # pytest's usage-error status
+    assert f"--device {name}" in proc.stderr and discover()[name].availability()[1] in proc.stderr
+
+
+def test_unknown_device_lists_known_ones() -> None:
+    proc = run_suite("--device", "quantum", timeout=300)
+    assert proc.returncode == 4
+    assert "not a known backend" in proc.stderr and "cpu" in proc.stderr
