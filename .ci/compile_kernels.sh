@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Compiles every torch-free kernel source (csrc/*.cu) with nvcc (sm_80, sm_90) and hipcc
 # (gfx90a, gfx942), no GPU needed, and syntax-checks csrc/torch_bindings.cpp against torch's headers.
-# Exits non-zero on any failure; prints one summary line per compiler.
+# Warnings are errors; spills are reported. Exits non-zero on any failure; prints one summary line
+# per compiler.
 #
 # hipcc is installed with apt-get when missing. Debian 12's HIP 5.2 / clang 15 does not know gfx942
-# (MI300X, needs LLVM 17+); when the compiler rejects it we compile its predecessor gfx940 instead
+# (MI300X; needs LLVM 17+): when the compiler rejects it we compile its predecessor gfx940 instead
 # and say so in the summary.
 set -uo pipefail
 
@@ -12,30 +13,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CSRC="$ROOT/csrc"
 OUT="$(mktemp -d /tmp/pagedllm-kernels.XXXXXX)"
 trap 'rm -rf "$OUT"' EXIT
-SOURCES=("$CSRC"/*.cu)
-STATUS=0
+JOBS="${JOBS:-$(nproc)}"
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+export HIP_PLATFORM=amd
 
-# ---- nvcc ------------------------------------------------------------------------------------
-nvcc_all() {
-  local nvcc="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
-  [[ -x "$nvcc" ]] || { echo "nvcc: not found" > "$OUT/nvcc.summary"; return 1; }
-  local failed=0 start=$SECONDS
-  for src in "${SOURCES[@]}"; do
-    local name; name="$(basename "$src" .cu)"
-    if ! "$nvcc" -std=c++17 -O3 --threads 2 \
-        -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
-        -Xcompiler -Wall,-Wextra -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage \
-        -c "$src" -o "$OUT/$name.nvcc.o" > "$OUT/$name.nvcc.log" 2>&1; then
-      failed=1
-    fi
-    if [[ -s "$OUT/$name.nvcc.log" ]]; then sed "s|^|[nvcc $name] |" "$OUT/$name.nvcc.log"; fi
-  done
-  local verdict=ok; [[ $failed == 0 ]] || verdict=FAILED
-  echo "nvcc $("$nvcc" --version | grep -o 'release [0-9.]*'): ${#SOURCES[@]} files for sm_80,sm_90: $verdict ($((SECONDS - start)) s)" > "$OUT/nvcc.summary"
-  return $failed
-}
-
-# ---- hipcc -----------------------------------------------------------------------------------
 ensure_hipcc() {
   command -v hipcc > /dev/null && return 0
   echo "hipcc not found; installing it with apt-get" >&2
@@ -43,56 +24,97 @@ ensure_hipcc() {
     || { cat "$OUT/apt.log" >&2; return 1; }
 }
 
-hipcc_all() {
-  export HIP_PLATFORM=amd
-  ensure_hipcc || { echo "hipcc: not available (apt-get install hipcc failed)" > "$OUT/hipcc.summary"; return 1; }
-  local archs=(gfx90a gfx942) note=""
+HIP_ARCHS=(gfx90a gfx942)
+HIP_NOTE=""
+HAVE_HIPCC=0
+if ensure_hipcc; then
+  HAVE_HIPCC=1
   echo '__global__ void probe(float* x) { x[0] = 1.f; }' > "$OUT/probe.hip"
   if ! hipcc -x hip --offload-arch=gfx942 -c "$OUT/probe.hip" -o "$OUT/probe.o" > /dev/null 2>&1; then
-    archs=(gfx90a gfx940)
-    note=" (this hipcc does not know gfx942; compiled gfx940 instead)"
+    HIP_ARCHS=(gfx90a gfx940)
+    HIP_NOTE=" (this hipcc does not know gfx942; compiled gfx940 instead)"
   fi
-  local arch_flags=() failed=0 start=$SECONDS
-  for a in "${archs[@]}"; do arch_flags+=("--offload-arch=$a"); done
-  for src in "${SOURCES[@]}"; do
-    local name; name="$(basename "$src" .cu)"
-    if ! hipcc -std=c++17 -O3 -x hip -DUSE_ROCM -Wall -Wextra -Werror "${arch_flags[@]}" \
-        -c "$src" -o "$OUT/$name.hip.o" > "$OUT/$name.hip.log" 2>&1; then
-      failed=1
-    fi
-    if [[ -s "$OUT/$name.hip.log" ]]; then sed "s|^|[hipcc $name] |" "$OUT/$name.hip.log"; fi
-  done
-  local verdict=ok; [[ $failed == 0 ]] || verdict=FAILED
-  echo "hipcc $(hipcc --version 2>/dev/null | grep -o 'HIP version: [0-9.]*' | head -1): ${#SOURCES[@]} files for ${archs[*]}: $verdict ($((SECONDS - start)) s)$note" > "$OUT/hipcc.summary"
-  return $failed
-}
+fi
+HAVE_NVCC=0
+[[ -x "$NVCC" ]] && HAVE_NVCC=1
 
 # ---- torch_bindings.cpp syntax check ----------------------------------------------------------
 bindings_check() {
-  local py="${PYTHON:-python3}"
-  local incs
+  local py="${PYTHON:-python3}" incs
   if ! incs="$("$py" -c 'import sysconfig, torch.utils.cpp_extension as c; print(" ".join(c.include_paths() + [sysconfig.get_paths()["include"]]))' 2>/dev/null)"; then
-    echo "g++ torch_bindings.cpp: skipped (torch not importable)" > "$OUT/gxx.summary"; return 0
+    echo "g++ -fsyntax-only torch_bindings.cpp: skipped (torch not importable)"; return 0
   fi
-  # A CPU torch lacks this generated header; it only carries build macros.
+  # A CPU build of torch lacks this generated header; it only carries build macros.
   mkdir -p "$OUT/stubs/c10/cuda/impl" && echo '#pragma once' > "$OUT/stubs/c10/cuda/impl/cuda_cmake_macros.h"
-  local flags=() cuda_inc="${CUDA_HOME:-/usr/local/cuda}/include"
-  for d in $incs "$cuda_inc" "$OUT/stubs"; do flags+=(-isystem "$d"); done
-  local verdict=ok start=$SECONDS
-  if ! g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_C "${flags[@]}" \
+  local flags=() d
+  for d in $incs "${CUDA_HOME:-/usr/local/cuda}/include" "$OUT/stubs"; do flags+=(-isystem "$d"); done
+  if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_C "${flags[@]}" \
       "$CSRC/torch_bindings.cpp" > "$OUT/gxx.log" 2>&1; then
-    verdict=FAILED; sed 's|^|[g++ bindings] |' "$OUT/gxx.log"
+    echo "g++ -fsyntax-only torch_bindings.cpp: ok"
+  else
+    sed 's|^|[g++ bindings] |' "$OUT/gxx.log"
+    echo "g++ -fsyntax-only torch_bindings.cpp: FAILED"; return 1
   fi
-  echo "g++ -fsyntax-only torch_bindings.cpp: $verdict ($((SECONDS - start)) s)" > "$OUT/gxx.summary"
-  [[ $verdict == ok ]]
 }
 
-# The machine has 2 cores: nvcc (2 threads) and hipcc run side by side.
-nvcc_all & NVCC_PID=$!
-hipcc_all & HIPCC_PID=$!
-wait $NVCC_PID || STATUS=1
-wait $HIPCC_PID || STATUS=1
-bindings_check || STATUS=1
+bindings_check > "$OUT/bindings.summary" 2>&1 & BINDINGS_PID=$!
 
-cat "$OUT/nvcc.summary" "$OUT/hipcc.summary" "$OUT/gxx.summary"
+# One job per (compiler, target, source): "<compiler> <target> <source>". Jobs run $JOBS at a time.
+run_job() {
+  local compiler=$1 target=$2 src=$3
+  local name; name="$(basename "$src" .cu)"
+  local tag="$compiler-$target-$name" start=$SECONDS rc=0
+  if [[ $compiler == nvcc ]]; then
+    "$NVCC" -std=c++17 -O3 -gencode "arch=compute_${target#sm_},code=$target" \
+      -Xcompiler -Wall,-Wextra -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage \
+      -c "$src" -o "$OUT/$tag.o" > "$OUT/$tag.log" 2>&1 || rc=$?
+  else
+    local flags=()
+    for a in ${target//,/ }; do flags+=("--offload-arch=$a"); done
+    hipcc -std=c++17 -O3 -x hip -DUSE_ROCM -Wall -Wextra -Werror "${flags[@]}" \
+      -c "$src" -o "$OUT/$tag.o" > "$OUT/$tag.log" 2>&1 || rc=$?
+  fi
+  echo "$compiler $rc $((SECONDS - start))" > "$OUT/$tag.result"
+  if [[ -s "$OUT/$tag.log" ]]; then sed "s|^|[$tag] |" "$OUT/$tag.log"; fi
+  return 0
+}
+export -f run_job
+export NVCC OUT
+
+# Largest sources first so that the long hipcc job overlaps the nvcc jobs.
+{
+  for src in $(ls -S "$CSRC"/*.cu); do
+    if [[ $HAVE_HIPCC == 1 ]]; then echo "hipcc $(IFS=,; echo "${HIP_ARCHS[*]}") $src"; fi
+    if [[ $HAVE_NVCC == 1 ]]; then
+      echo "nvcc sm_80 $src"
+      echo "nvcc sm_90 $src"
+    fi
+  done
+} | xargs -P "$JOBS" -L 1 bash -c 'run_job "$@"' _
+
+STATUS=0
+NUM_SOURCES=$(ls "$CSRC"/*.cu | wc -l)
+summary() {  # compiler, label
+  local compiler=$1 label=$2 n=0 failed=0 secs=0
+  for r in "$OUT"/"$compiler"-*.result; do
+    [[ -e $r ]] || continue
+    read -r _ rc s < "$r"
+    n=$((n + 1)); secs=$((secs + s))
+    [[ $rc == 0 ]] || failed=$((failed + 1))
+  done
+  if [[ $n == 0 ]]; then
+    echo "$label: NOT RUN (compiler not available)"; STATUS=1
+  elif [[ $failed == 0 ]]; then
+    echo "$label: ok, $NUM_SOURCES files, $n compile jobs, ${secs}s of compile time"
+  else
+    echo "$label: FAILED ($failed of $n compile jobs)"; STATUS=1
+  fi
+}
+
+NVCC_VERSION="$([[ $HAVE_NVCC == 1 ]] && "$NVCC" --version | grep -o 'release [0-9.]*')"
+HIP_VERSION="$([[ $HAVE_HIPCC == 1 ]] && hipcc --version 2>/dev/null | grep -o 'HIP version: [0-9.]*' | head -1)"
+summary nvcc "nvcc ${NVCC_VERSION:-?} (sm_80, sm_90)"
+summary hipcc "hipcc ${HIP_VERSION:-?} (${HIP_ARCHS[*]})$HIP_NOTE"
+wait $BINDINGS_PID || STATUS=1
+cat "$OUT/bindings.summary"
 exit $STATUS

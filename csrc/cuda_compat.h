@@ -7,6 +7,9 @@
 //   * device part (only under nvcc / hipcc): 16-bit float types, warp shuffles, WARP_SIZE, inline
 //     qualifiers. The conversion helpers built on top of it live in dtype_convert.cuh.
 //
+// Under PAGEDLLM_SIMT_EMU (the CPU test harness, tests/kernels/simt_emu/simt_emu.h, force-included
+// before this file) neither part is used: the emulator supplies the same names.
+//
 // The macros below are hipify-safe: torch's hipify may rewrite `cudaStream_t` into `hipStream_t`
 // inside this file, which turns `#define cudaStream_t hipStream_t` into a harmless self-definition.
 #pragma once

@@ -71,7 +71,8 @@ struct PagedAttentionArgs {
   int head_size;
   int block_size;
   int num_blocks;                 // block ids outside [0, num_blocks) are treated as masked tokens
-  int max_seq_len;                // >= every seq_len; longer sequences are truncated to it
+  int max_seq_len;                // >= every seq_len; sets the partitions launched: a longer
+                                  // sequence is cut at ceil(max_seq_len / 512) * 512 tokens
   float scale;
 };
 

@@ -1,5 +1,5 @@
 // Launchers of the paged decode attention kernels (kernels: paged_attention.cuh).
-// Dispatch: dtype (enum) -> head size -> query heads per block (GQA in {1, 2, 4, 8}).
+// Dispatch: dtype (enum) -> head size -> query heads per block (GQA in {1, 4, 8}).
 #include "ops.h"
 #include "paged_attention.cuh"
 
@@ -27,14 +27,14 @@ void launch_decode(const PagedAttentionArgs& a, int block_shift, int q_per_kv, i
 }
 
 // Smallest compiled GQA that covers the kv group; groups larger than 8 take several blocks.
+// (A group of 2 or 3 runs with GQA = 4 and idle head slots: the kernel is bound by K/V reads, and
+// fewer variants keep the build short.)
 template <typename T, int HEAD_SIZE>
 void dispatch_gqa(const PagedAttentionArgs& a, int block_shift, int num_partitions,
                   cudaStream_t stream) {
   const int q_per_kv = a.num_heads / a.num_kv_heads;
   if (q_per_kv <= 1) {
     launch_decode<T, HEAD_SIZE, 1>(a, block_shift, q_per_kv, num_partitions, stream);
-  } else if (q_per_kv <= 2) {
-    launch_decode<T, HEAD_SIZE, 2>(a, block_shift, q_per_kv, num_partitions, stream);
   } else if (q_per_kv <= 4) {
     launch_decode<T, HEAD_SIZE, 4>(a, block_shift, q_per_kv, num_partitions, stream);
   } else {

@@ -159,6 +159,10 @@ def paged_attention(
     """
     import torch
 
+    from pagedllm.backends.cuda.checks import check_paged_attention
+
+    check_paged_attention(out, query, key_cache, value_cache, int(num_kv_heads), block_tables,
+                          seq_lens, int(block_size))
     kernels = load_kernels()
     partition = int(kernels.PARTITION_SIZE)
     num_partitions = max(1, (int(max_seq_len) + partition - 1) // partition)
@@ -187,6 +191,9 @@ def reshape_and_cache(
 
     slot = block * block_size + offset; negative slots (padding) and slots past the cache are skipped.
     """
+    from pagedllm.backends.cuda.checks import check_reshape_and_cache
+
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     load_kernels().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -196,6 +203,11 @@ def copy_blocks(
     block_mapping: torch.Tensor,
 ) -> None:
     """Copy block src -> dst in every layer's caches; block_mapping [num_pairs, 2] int64 (CPU or GPU)."""
+    from pagedllm.backends.cuda.checks import check_block_mapping, check_layer_caches
+
+    check_layer_caches(list(key_caches), list(value_caches))
+    n = key_caches[0].shape[0] if key_caches else 0
+    check_block_mapping(block_mapping, n, n)
     load_kernels().copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
@@ -205,4 +217,16 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     src/dst: [num_blocks, ...] with each block contiguous; block_mapping [num_pairs, 2] int64 on CPU.
     Enqueued on the current stream of the GPU side.
     """
+    from pagedllm.backends.cuda.checks import KernelArgumentError, check_block_mapping
+
+    if block_mapping.device.type != "cpu":
+        raise KernelArgumentError("block_mapping for swap_blocks must be on the CPU")
+    check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    if src.dtype != dst.dtype:
+        raise KernelArgumentError(f"swap_blocks: src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if src.shape[1:] != dst.shape[1:]:
+        raise KernelArgumentError(f"swap_blocks: block shape {list(src.shape[1:])} of src differs "
+                                  f"from dst {list(dst.shape[1:])}")
+    if (src.device.type == "cuda") == (dst.device.type == "cuda"):
+        raise KernelArgumentError("swap_blocks: exactly one of src and dst must be a CUDA tensor")
     load_kernels().swap_blocks(src, dst, block_mapping)
