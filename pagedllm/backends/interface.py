@@ -79,6 +79,8 @@ class Backend(ABC):
     dist_backend: ClassVar[str] = "gloo"
     default_dtype: ClassVar[str] = "float32"
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # the Ray resource one worker reserves (None: "GPU" when torch_device is cuda, else "CPU")
+    ray_resource: ClassVar[str | None] = None
     # where the plugin came from: "built-in" or the installing package (set by the registry)
     source: str = "built-in"
 

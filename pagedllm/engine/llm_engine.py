@@ -63,6 +63,7 @@ class LLMEngine:
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
+        self._error: BaseException | None = None
         logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d",
                     self.backend.name, config.model.dtype, num_device, num_host,
                     config.cache.block_size)
@@ -141,8 +142,15 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"the engine failed earlier and cannot continue: {self._error}")
         sched = self.scheduler.schedule()
-        outputs = [] if sched.batch.is_empty() else self.executor.execute(sched.batch)
+        try:
+            outputs = [] if sched.batch.is_empty() else self.executor.execute(sched.batch)
+        except BaseException as exc:
+            # the scheduler already counted this step's tokens as computed: state is unusable
+            self._error = exc
+            raise
         self.scheduler.after_step(sched)
         return self._process(sched, outputs)
 

@@ -16,7 +16,7 @@ class VocabParallelEmbedding(nn.Module):
         tp = ctx.tp
         self.per_rank = -(-vocab_size // tp.size)  # last rank's slice may be padded
         self.start = tp.rank * self.per_rank
-        self.end = min(self.start + self.per_rank, vocab_size)
+        self.end = max(self.start, min(self.start + self.per_rank, vocab_size))  # may be empty
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=ctx.dtype,
                                                device=ctx.device), requires_grad=False)
 

@@ -1,0 +1,87 @@
+"""The remote half of a distributed executor: one tensor-parallel rank's Worker.
+
+The same object runs in a spawned process (``mp``) and as a Ray actor (``ray``); the executor
+calls its methods by name. Order of start-up matters: the Worker picks its device first, then
+the process group is created (so NCCL binds to that device), then one all-reduce checks the
+group and creates the communicators before anything (e.g. CUDA-graph capture) relies on them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.backends.interface import Backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.distributed.parallel_state import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one rank needs to start (pickled to the process or actor)."""
+
+    config: EngineConfig
+    backend: Backend
+    rank: int
+    world_size: int
+    init_method: str  # tcp://HOST:PORT of rank 0's rendezvous store
+    num_threads: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def init_process_group(dist_backend: str, init_method: str, rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process; a "
+                           "pagedllm worker needs a process of its own")
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank,
+                            world_size=world_size)
+
+
+class WorkerWrapper:
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.rank = -1
+
+    def init_worker(self, spec: WorkerSpec) -> None:
+        os.environ.update(spec.env)
+        torch.set_num_threads(spec.num_threads)
+        self.rank = spec.rank
+        tp = TPGroup(rank=spec.rank, size=spec.world_size)  # group None: the default (world) group
+        worker = spec.backend.worker_cls()(spec.config, spec.backend, rank=spec.rank, tp=tp)
+        init_process_group(spec.backend.dist_backend, spec.init_method, spec.rank, spec.world_size)
+        check = tp.all_reduce(torch.ones(1, device=worker.device))
+        if int(check.item()) != spec.world_size:
+            raise RuntimeError(f"the {spec.backend.dist_backend} all-reduce check returned "
+                               f"{check.item()} instead of {spec.world_size}")
+        worker.load_model()
+        self.worker = worker
+        logger.debug("rank %d of %d ready on %s (%s, %d threads)", spec.rank, spec.world_size,
+                     worker.device, spec.backend.dist_backend, spec.num_threads)
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_blocks()
+
+    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.worker.init_cache(num_device_blocks, num_host_blocks)
+
+    def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
+        """Rank 0 returns the samples; the other ranks return None."""
+        return self.worker.execute(batch)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.worker = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
