@@ -1,0 +1,124 @@
+"""Flags of ``pagedllm serve`` / ``python -m pagedllm.entrypoints.openai.api_server``.
+
+The server's own flags, plus every AsyncEngineArgs field as a kebab-case flag. The model is the
+positional MODEL or ``--model`` (either; both must agree).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+from pagedllm.engine.arg_utils import DEMO_MODEL, AsyncEngineArgs, EngineArgs
+
+MiB = 1 << 20
+
+
+@dataclass
+class ServerSettings:
+    """Server-level knobs (the engine's are in EngineArgs)."""
+
+    served_model_names: list[str]
+    model_path: str = ""
+    api_key: str | None = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_body_bytes: int = 4 * MiB
+    shutdown_timeout: float = 30.0
+    chat_template: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help=f"a local Hugging Face checkpoint folder (default {DEMO_MODEL!r})")
+    parser.add_argument("--model", default=None, help="the same as the positional MODEL")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $PAGEDLLM_API_KEY)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use; the first is reported (default: MODEL)")
+    server.add_argument("--max-n", type=int, default=16, help="largest n / best_of per request")
+    server.add_argument("--max-logprobs", type=int, default=20,
+                        help="largest logprobs / top_logprobs per request")
+    server.add_argument("--max-request-body-bytes", type=int, default=4 * MiB,
+                        help="larger request bodies get 413 (default 4 MiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (file path or inline) overriding the tokenizer's")
+    server.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                        help="run the engine in the server's process (a thread) instead of its "
+                             "own process")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_engine_args(parser.add_argument_group("engine"), AsyncEngineArgs, skip=("model",))
+    return parser
+
+
+def add_engine_args(parser: Any, cls: type[EngineArgs] = AsyncEngineArgs,
+                    skip: tuple[str, ...] = ()) -> None:
+    """``cls.add_cli_args``, with every bool field a switch (``--enable-prefix-caching``).
+
+    EngineArgs.add_cli_args decides switches from the string of the type hint, which is
+    ``"<class 'bool'>"`` for a plain ``bool``; the bool fields are added here first so they are
+    switches whatever that method does with them.
+    """
+    hints = get_type_hints(cls)
+    bools = tuple(f.name for f in fields(cls) if f.name not in skip and hints[f.name] is bool)
+    for name in bools:
+        default = getattr(cls, name)
+        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=default)
+    cls.add_cli_args(parser, skip=(*skip, *bools))
+
+
+def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+    return args.model_tag or args.model or DEMO_MODEL
+
+
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill ``args.model`` and check the server flags (the engine checks its own)."""
+    args.model = resolve_model(args, parser)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} is invalid: must be in [0, 65535]")
+    for flag in ("max_n", "max_request_body_bytes"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_logprobs < 0:
+        parser.error(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.api_key == "":
+        parser.error("--api-key is empty; give a key or leave the flag out")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A file path's contents, or the value itself as an inline template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        served_model_names=list(args.served_model_name or [args.model]), model_path=args.model,
+        api_key=args.api_key, max_n=args.max_n, max_logprobs=args.max_logprobs,
+        max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+        chat_template=load_chat_template(args.chat_template))
