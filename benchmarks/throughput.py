@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,21 @@ def flops_per_token(config: dict[str, Any], context: float) -> float:
     return 2.0 * weights + 4.0 * layers * q * context  # QK^T and PV
 
 
+def cpu_busy_seconds() -> float:
+    """CPU-seconds the whole machine has been busy since boot (/proc/stat; 0.0 elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, fields)
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
               env: dict[str, str]) -> dict[str, Any]:
     """Run ``_peers.py`` for ``spec`` under ``python``; its output goes to log_dir/name.log."""
@@ -94,20 +110,24 @@ def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
     log_path = log_dir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        logger.warning("load average %.2f before %s: other processes may skew its timing", load, name)
     logger.info("running %s with %s (log: %s)", name, python, log_path)
+    busy, own, start = cpu_busy_seconds(), children_cpu_seconds(), time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([python, str(BENCH_DIR / "_peers.py"), str(spec_path),
                                str(result_path)], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=REPO_ROOT)
+    wall = time.perf_counter() - start
+    # cores kept busy by processes other than this engine (another build or test on the box)
+    others = (cpu_busy_seconds() - busy - (children_cpu_seconds() - own)) / wall
+    if others > 0.25:
+        logger.warning("%s: other processes kept %.2f cores busy during the run; timings are "
+                       "skewed", name, others)
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     if proc.returncode != 0 or "error" in result:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
         result.setdefault("error", f"exited with status {proc.returncode}")
         logger.warning("%s: %s\n%s", name, result["error"], tail if proc.returncode else "")
-    result.update(backend=name, loadavg_before=load)
+    result.update(backend=name, wall_s=wall, other_cores_busy=max(0.0, others))
     return result
 
 
@@ -115,7 +135,7 @@ def child_env(backend: str, kv_cache_gib: float) -> dict[str, str]:
     env = dict(os.environ)
     if backend == "vllm":
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
     else:  # import pagedllm from this tree even when it is not pip-installed
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
@@ -146,46 +166,49 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     return dict(identical=same, prompts=len(prefixes), mean_common_prefix=sum(prefixes) / len(prefixes))
 
 
+def table(results: dict[str, dict[str, Any]], peak: float | None) -> list[str]:
+    """Markdown rows, one per engine; an engine that failed shows its error."""
+    rows = ["| backend | version | device | elapsed s | req/s | output tok/s | total tok/s "
+            "| GFLOP/s | % fp32 GEMM | load s | wall s | other load |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(f"| {name} | {r['error']} |" + " |" * 10)
+            continue
+        pct = f"{100 * r['achieved_gflops'] / peak:.1f}" if peak else "-"
+        rows.append(f"| {name} | {r['version']} | {r['device']} | {r['elapsed_s']:.2f} "
+                    f"| {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.1f} "
+                    f"| {r['total_tok_per_s']:.1f} | {r['achieved_gflops']:.1f} | {pct} "
+                    f"| {r['load_s']:.1f} | {r['wall_s']:.1f} | {r['other_cores_busy']:.2f} cores |")
+    return rows
+
+
 def report(results: dict[str, dict[str, Any]], gemm: dict[str, Any], flops: float,
            args: argparse.Namespace) -> dict[str, Any]:
     """Print the markdown table, ratios, roofline and agreement; return them for --output-json."""
     ok = {k: r for k, r in results.items() if "error" not in r}
-    peak = gemm.get("gemm_gflops", {}).get("float32")
-    print(f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-          f"dtype {args.dtype}, model {args.model}\n")
-    print("| backend | version | device | elapsed s | req/s | output tok/s | total tok/s "
-          "| GFLOP/s | % fp32 GEMM | load s | wall s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in results.items():
-        if name not in ok:
-            print(f"| {name} | {r['error']} | | | | | | | | | |")
-            continue
-        pct = f"{100 * r['achieved_gflops'] / peak:.1f}" if peak else "-"
-        print(f"| {name} | {r['version']} | {r['device']} | {r['elapsed_s']:.2f} "
-              f"| {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.1f} "
-              f"| {r['total_tok_per_s']:.1f} | {r['achieved_gflops']:.1f} | {pct} "
-              f"| {r['load_s']:.1f} | {r['wall_s']:.1f} |")
+    rates = gemm.get("gemm_gflops", {})
+    peak = rates.get("float32")
     ratios = {f"{a}/{b}": ok[a]["output_tok_per_s"] / ok[b]["output_tok_per_s"]
               for a, b in RATIOS if a in ok and b in ok}
-    for key, value in ratios.items():
-        print(f"\n- throughput ratio {key}: {value:.2f}x", end="")
-    rates = ", ".join(f"{k} {v:.1f}" for k, v in gemm.get("gemm_gflops", {}).items())
-    print(f"\n- roofline: torch.mm {gemm.get('gemm_size')}^3 GFLOP/s: {rates or gemm.get('error')}; "
-          f"model {flops / 1e9:.3f} GFLOP/token", end="")
-    if peak:
-        print(f" -> compute ceiling {peak * 1e9 / flops:.0f} tok/s (fp32)", end="")
-    agree = {}
     names = list(ok)
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            agree[f"{a} vs {b}"] = agreement(ok[a]["token_ids"], ok[b]["token_ids"])
-            g = agree[f"{a} vs {b}"]
-            print(f"\n- greedy ids {a} vs {b}: {g['identical']}/{g['prompts']} prompts identical, "
-                  f"mean common prefix {g['mean_common_prefix']:.1f}/{args.output_len}", end="")
-    print()
+    agree = {f"{a} vs {b}": agreement(ok[a]["token_ids"], ok[b]["token_ids"])
+             for i, a in enumerate(names) for b in names[i + 1 :]}
+    lines = [f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+             f"dtype {args.dtype}, model {args.model}", ""] + table(results, peak) + [""]
+    lines += [f"- output-throughput ratio {k}: {v:.2f}x" for k, v in ratios.items()]
+    measured = ", ".join(f"{k} {v:.1f} (n={gemm['gemm_size'][k]})" for k, v in rates.items())
+    ceiling = f" -> fp32 compute ceiling {peak * 1e9 / flops:.0f} tok/s" if peak else ""
+    lines.append(f"- roofline: torch.mm GFLOP/s {measured or gemm.get('error')}; "
+                 f"model {flops / 1e9:.3f} GFLOP/token{ceiling}")
+    lines += [f"- greedy ids {k}: {g['identical']}/{g['prompts']} prompts identical, mean "
+              f"common prefix {g['mean_common_prefix']:.1f}/{args.output_len}"
+              for k, g in agree.items()]
+    print("\n" + "\n".join(lines))
     slim = {k: {f: v for f, v in r.items() if f != "token_ids"} for k, r in results.items()}
-    return dict(args={k: str(v) for k, v in vars(args).items()}, roofline=dict(
-        gemm, model_gflop_per_token=flops / 1e9), results=slim, ratios=ratios, agreement=agree)
+    return dict(args={k: str(v) for k, v in vars(args).items()},
+                roofline=dict(gemm, model_gflop_per_token=flops / 1e9),
+                results=slim, ratios=ratios, agreement=agree)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -234,10 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in backends:
         python = args.vllm_python if name == "vllm" else sys.executable
-        start = time.perf_counter()
         result = run_child(name, python, dict(spec, backend=name), log_dir,
                            child_env(name, args.kv_cache_gib))
-        result["wall_s"] = time.perf_counter() - start
         if "error" not in result:
             add_metrics(result, args, flops)
         results[name] = result

@@ -37,7 +37,6 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
-    disable_log_stats: bool = True
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -49,7 +48,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             hint = str(hints[f.name])
-            if hint.startswith("bool"):
+            if hints[f.name] is bool or hint.startswith("bool"):
                 parser.add_argument(flag, action="store_true", default=f.default)
                 continue
             kind = int if "int" in hint else float if "float" in hint else str

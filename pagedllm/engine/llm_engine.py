@@ -128,7 +128,8 @@ class LLMEngine:
         group = SequenceGroup(
             request_id=request_id, seqs=[seq], sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else now, prompt=text,
-            priority=priority, metrics=RequestMetrics(arrival_time=now),
+            priority=priority,
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
             deadline=(time.monotonic() + params.timeout_seconds
                       if params.timeout_seconds is not None else None))
         self._requests[request_id] = group

@@ -73,10 +73,13 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "),
                            code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    parts = [f"{where}: {first.get('msg', 'invalid value')}"]
-    if "input" in first and first.get("type") != "missing" and loc:
+    if not loc:
+        return bad_request("the request body must be a JSON object (send it with "
+                           "'Content-Type: application/json')", code="invalid_type")
+    param = loc[0]
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    parts = [f"{'.'.join(loc)}: {message}"]
+    if "input" in first and first.get("type") != "missing":
         shown = repr(first["input"])
         parts.append(f"(got {shown[:80]})")
     return bad_request(" ".join(parts), param,

@@ -16,22 +16,65 @@ def _clamp(value: float) -> float:
     return _FLOOR if math.isnan(value) or value < _FLOOR else float(value)
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte, inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
 class TokenTexts:
-    """Decoded text of single token ids, cached (the vocabulary is small and fixed)."""
+    """Text and bytes of single token ids, cached (the vocabulary is small and fixed).
+
+    A token that is only part of a UTF-8 character decodes to U+FFFD; its text is then written
+    ``bytes:\\xNN...`` (as OpenAI does) so distinct tokens keep distinct strings.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int], int]] = {}
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int], int]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            entry = self._cache[token_id] = self._decode(token_id)
+        return entry
+
+    def _decode(self, token_id: int) -> tuple[str, list[int], int]:
+        """(display text, bytes, characters it adds to the output text)."""
+        try:
+            text = self.tokenizer.decode([token_id])
+            raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:  # an id the tokenizer does not know (model vocab > tokenizer)
+            return f"token_id:{token_id}", [], 0
+        if isinstance(raw, str) and raw and all(c in _BYTE_DECODER for c in raw):
+            data = [_BYTE_DECODER[c] for c in raw]
+        else:
+            data = list(text.encode("utf-8"))
+        width = len(text)
+        if "\ufffd" in text and data:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return text, data, width
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            try:
-                text = self.tokenizer.decode([token_id])
-            except Exception:  # an id the tokenizer does not know (model vocab > tokenizer)
-                text = ""
-            self._cache[token_id] = text
-        return text
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self._lookup(token_id)[1]
+
+    def width(self, token_id: int) -> int:
+        """Characters the token adds to decoded text (an incomplete UTF-8 byte counts as one)."""
+        return self._lookup(token_id)[2]
 
 
 def _top(entry: PositionLogprobs, k: int) -> list[tuple[int, float]]:
@@ -55,7 +98,7 @@ class CompletionLogprobs:
             text = self.texts(token_id)
             tokens.append(text)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += self.texts.width(token_id)
             if entry is None:  # the first prompt token has no logprob
                 token_logprobs.append(None)
                 tops.append(None)
@@ -76,8 +119,8 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[Positio
         text = texts(token_id)
         content.append({
             "token": text, "logprob": _clamp(entry.get(token_id, _FLOOR)),
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": texts(t), "logprob": _clamp(v),
-                              "bytes": list(texts(t).encode("utf-8"))} for t, v in _top(entry, k)],
+            "bytes": texts.bytes(token_id),
+            "top_logprobs": [{"token": texts(t), "logprob": _clamp(v), "bytes": texts.bytes(t)}
+                             for t, v in _top(entry, k)],
         })
     return {"content": content, "refusal": None}

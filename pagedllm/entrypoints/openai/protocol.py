@@ -192,7 +192,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    echo: bool | None = False
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None

@@ -7,13 +7,14 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from starlette.requests import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, AsyncStream
+from pagedllm.engine.async_engine import AsyncEngineBase, AsyncStream
+from pagedllm.entrypoints.openai.cli_args import ServerSettings
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from pagedllm.entrypoints.openai.logprobs import TokenTexts
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
@@ -21,28 +22,6 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-MiB = 1 << 20
-
-
-@dataclass
-class ServerSettings:
-    """Server-level knobs (the engine's are in EngineArgs)."""
-
-    served_model_names: list[str]
-    model_path: str = ""
-    api_key: str | None = None
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_body_bytes: int = 4 * MiB
-    shutdown_timeout: float = 30.0
-    chat_template: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
-
 
 @dataclass
 class Prompt:
@@ -54,8 +33,22 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(data)}\n\n"
+
+
+class ChunkFormat:
+    """SSE events of one streamed response: the head (id, object, created, model) is encoded once,
+    and each event adds only its one choice (the per-token cost of a stream)."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = f"data: {_JSON.encode(head)[:-1]},\"choices\":["
+
+    def choice(self, choice: dict[str, Any]) -> str:
+        return f"{self._prefix}{_JSON.encode(choice)}]}}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -74,13 +67,12 @@ def error_event(exc: BaseException) -> str:
 
 
 class ServingContext:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, tokenizer: Any) -> None:
+    def __init__(self, engine: AsyncEngineBase, settings: ServerSettings, tokenizer: Any) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = tokenizer
-        model_config = engine.get_model_config()
-        self.max_model_len: int = model_config.max_model_len
-        self.vocab_size: int = model_config.get_vocab_size()
+        self.max_model_len: int = engine.model_info.max_model_len
+        self.vocab_size: int = engine.model_info.vocab_size
         self.token_texts = TokenTexts(tokenizer)
 
     # --- request fields ------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible server: FastAPI app, routes, and ``main``.
+
+    python -m pagedllm.entrypoints.openai.api_server MODEL [--device cpu] [--port 8000] ...
+    pagedllm serve MODEL ...                                  (the same flags)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedllm.engine.arg_utils import AsyncEngineArgs
+from pagedllm.engine.async_engine import AsyncEngineBase, AsyncLLMEngine
+from pagedllm.entrypoints.openai.cli_args import (ServerSettings, make_arg_parser, server_settings,
+                                                  validate_args)
+from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedllm.entrypoints.openai.launcher import serve_http
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.middleware import (ApiKeyAuth, BodySizeLimit, DrainGuard,
+                                                    ServerState)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.serving_base import ServingContext
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.version import __version__
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncEngineBase, settings: ServerSettings,
+              state: ServerState | None = None) -> FastAPI:
+    """The ASGI app over a built engine. Its lifespan starts the engine loop and shuts it down."""
+    state = state or ServerState()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start_background_loop()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    ctx = ServingContext(engine, settings, engine.tokenizer)
+    completions = OpenAIServingCompletion(ctx)
+    chat = OpenAIServingChat(ctx)
+    tokenization = OpenAIServingTokenization(ctx)
+    metrics = ServerMetrics(settings.model_name)
+    engine.add_step_listener(metrics.on_step)
+    metrics.on_step(engine.get_stats(), [])
+    created = int(time.time())
+    app.state.engine, app.state.settings, app.state.server_state = engine, settings, state
+    app.state.metrics = metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as exc:
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"unhealthy: {exc}",
+                               code="engine_dead").response()
+        return Response(status_code=HTTPStatus.OK)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+             "root": settings.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+            for name in settings.served_model_names]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.detokenize(request))
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return await chat.create(request, raw_request)
+
+    # the last added is the outermost
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key)
+    app.add_middleware(DrainGuard, state=state)
+    return app
+
+
+def build_engine(engine_args: AsyncEngineArgs, own_process: bool = True) -> AsyncEngineBase:
+    """The engine in its own process (default: no GIL shared with the HTTP loop), or in this one."""
+    if own_process:
+        from pagedllm.entrypoints.openai.engine_client import MPEngineClient
+
+        return MPEngineClient.from_engine_args(engine_args)
+    return AsyncLLMEngine.from_engine_args(engine_args)
+
+
+def setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine (loads the model), then serve until SIGTERM; the exit status."""
+    setup_logging()
+    try:
+        settings = server_settings(args)
+        engine = build_engine(AsyncEngineArgs.from_cli_args(args),
+                              not args.disable_frontend_multiprocessing)
+    except (ValueError, RuntimeError, OSError) as exc:
+        logger.error("cannot start the server: %s", exc)
+        return 1
+    state = ServerState()
+    app = build_app(engine, settings, state)
+    logger.info("serving %s as %s on http://%s:%d%s", args.model, settings.served_model_names,
+                args.host, args.port, " (API key required)" if settings.api_key else "")
+    asyncio.run(serve_http(app, state, args.host, args.port, settings.shutdown_timeout,
+                           args.uvicorn_log_level, not args.disable_uvicorn_access_log))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_arg_parser(argparse.ArgumentParser(
+        prog="python -m pagedllm.entrypoints.openai.api_server",
+        description="OpenAI-compatible server for pagedllm."))
+    args = parser.parse_args(argv)
+    validate_args(args, parser)
+    sys.exit(run_server(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Prometheus metrics (vLLM's names with a ``pagedllm:`` prefix) on a per-app registry.
+
+Updated from the engine loop after every step (AsyncLLMEngine.add_step_listener): queue gauges and
+KV-cache usage from the step's EngineStats; token counters and latency histograms from its outputs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"pagedllm:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running queue.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
+        self.cache_usage = gauge("gpu_cache_usage_perc",
+                                 "KV-cache usage: fraction of device blocks in use (1 = full).")
+        self.free_blocks = gauge("num_free_blocks",
+                                 "Device KV-cache blocks not held by any request.")
+        self.total_blocks = gauge("num_gpu_blocks", "Device KV-cache blocks in total.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.",
+                             E2E_BUCKETS)
+        self._success = Counter("pagedllm:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._model_name = model_name
+        self._seen_preemptions = 0
+        self._tokens: dict[str, int] = {}  # request id -> output tokens counted so far
+
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
+        self.cache_usage.set(stats.kv_cache_usage)
+        self.free_blocks.set(stats.num_free_blocks + stats.num_cached_blocks)
+        self.total_blocks.set(stats.num_blocks)
+        if stats.num_preemptions > self._seen_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = stats.num_preemptions
+        for out in outputs:
+            self._on_output(out)
+
+    def _on_output(self, out: RequestOutput) -> None:
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        before = self._tokens.get(out.request_id)
+        m = out.metrics
+        if before is None:
+            before = 0
+            if num_tokens:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m is not None and m.first_token_time is not None:
+                    self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if num_tokens > before:
+            self.generation_tokens.inc(num_tokens - before)
+        if not out.finished:
+            self._tokens[out.request_id] = num_tokens
+            return
+        self._tokens.pop(out.request_id, None)
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        self._success.labels(self._model_name, str(reason)).inc()
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            self.tpot.observe(max(0.0, m.last_token_time - m.first_token_time) / (longest - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

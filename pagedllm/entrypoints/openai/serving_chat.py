@@ -1,0 +1,115 @@
+"""POST /v1/chat/completions: the chat template renders the messages, then one engine request."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.engine.async_engine import AsyncStream
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, ChunkFormat, Prompt, ServingContext,
+                                                      abort_all, error_event, random_id, sse, usage)
+from pagedllm.entrypoints.openai.sse import SSEResponse
+from pagedllm.outputs import RequestOutput
+
+
+class OpenAIServingChat:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        n = req.n or 1
+        ctx.check_limits(n, None, top_k, "top_logprobs")
+        text = ctx.render_chat(req.messages, req.add_generation_prompt is not False,
+                               bool(req.continue_final_message), req.chat_template,
+                               req.chat_template_kwargs)
+        ids = ctx.tokenize(text, add_special_tokens=False)  # the template adds any BOS itself
+        if not ids:
+            raise bad_request("the messages render to an empty prompt", "messages")
+        if req.max_completion_tokens is not None:
+            requested, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, max_param = req.max_tokens, "max_tokens"
+        max_tokens = ctx.resolve_max_tokens(len(ids), requested, None, "messages", max_param)
+        params = ctx.sampling_params(req, max_tokens, n, logprobs=top_k)
+        request_id, created = random_id("chatcmpl"), int(time.time())
+        streams = await ctx.add_requests(request_id, [Prompt(text, ids)], [params],
+                                         final_only=not req.stream, prompt_param="messages")
+        head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
+        if req.stream:
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+            return SSEResponse(self._stream(req, chunk_head, streams[0], n, top_k),
+                               on_close=partial(abort_all, streams))
+        try:
+            finals = await ctx.wait_final(streams, raw_request)
+        finally:
+            abort_all(streams)
+        if finals is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(self._response(head, finals[0], top_k))
+
+    def _response(self, head: dict[str, Any], out: RequestOutput, top_k: int | None
+                  ) -> dict[str, Any]:
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if top_k is not None:
+                logprobs = chat_logprobs(self.ctx.token_texts, c.token_ids, c.logprobs or [], top_k)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        return {**head, "choices": choices, "usage": usage(len(out.prompt_token_ids), completion),
+                "system_fingerprint": None}
+
+    async def _stream(self, req: ChatCompletionRequest, head: dict[str, Any], stream: AsyncStream,
+                      n: int, top_k: int | None) -> AsyncIterator[str]:
+        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        num_prompt = num_completion = 0
+        fmt_chunk = ChunkFormat(head)
+        try:
+            yield "".join(fmt_chunk.choice({
+                "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}) for i in range(n))
+            async for out in stream:
+                parts = []
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    text, ids = c.text[sent_chars[i]:], c.token_ids[sent_tokens[i]:]
+                    if not text and not ids and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if top_k is not None:
+                        logprobs = chat_logprobs(self.ctx.token_texts, ids,
+                                                 (c.logprobs or [])[sent_tokens[i]:], top_k)
+                    sent_chars[i] = max(sent_chars[i], len(c.text))
+                    sent_tokens[i] = len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done[i] = True
+                        num_completion += len(c.token_ids)
+                    parts.append(fmt_chunk.choice({
+                        "index": i, "delta": {"content": text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason}))
+                if out.finished:
+                    num_prompt = len(out.prompt_token_ids)
+                if parts:
+                    yield "".join(parts)
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(num_prompt, num_completion)})
+        except Exception as exc:
+            yield error_event(exc)
+        yield SSE_DONE
