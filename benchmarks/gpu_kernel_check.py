@@ -195,8 +195,9 @@ def main() -> int:
                 s = DecodeSetup(batch=batch, context=context)
                 ms, err = run_decode(s, args.repeats, check=batch * context <= 64 * 4096)
                 bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
+                err_text = f"{err:9.2e}" if err == err else f"{'unchecked':>9}"  # nan: not checked
                 print(f"    {batch:5d} {context:8d} {ms * 1e3:7.1f} {bw / 1e12:7.2f} "
-                      f"{100 * bw / copy_bw:6.1f} {err:9.2e}")
+                      f"{100 * bw / copy_bw:6.1f} {err_text}")
     return 0
 
 
