@@ -52,10 +52,11 @@ class LlamaAttention(nn.Module):
                 hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t, d = hidden.shape[0], self.head_size
-        q, k = self.ctx.ops.rotary(q.reshape(t, -1, d), k.reshape(t, -1, d), *cos_sin)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, kv_cache, metadata)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        t = hidden.shape[0]
+        qk = self.ctx.ops.rotary(qk.reshape(t, -1, self.head_size), *cos_sin).reshape(t, -1)
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        out = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(out)
 
 

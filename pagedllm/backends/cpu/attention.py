@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, kv_heads, D], tables [B, nb] -> [B, kv_heads, nb*bs, D]."""
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [2, num_blocks, bs, kvH, D], tables [B, nb] -> K and V, each [B, kvH, nb*bs, D]."""
     b, nb = block_tables.shape
-    g = cache[block_tables.long()]  # [B, nb, bs, kvH, D]
-    return g.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    _, _, bs, kv_heads, d = kv_cache.shape
+    g = kv_cache[:, block_tables.long()]  # [2, B, nb, bs, kvH, D], one gather for K and V
+    g = g.view(2, b, nb * bs, kv_heads, d).transpose(2, 3)
+    return g[0], g[1]
 
 
 class TorchPagedAttention(AttentionImpl):
@@ -42,9 +44,7 @@ class TorchPagedAttention(AttentionImpl):
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
-        tables = metadata.decode_block_tables
-        k = gather_kv(kv_cache[0], tables)  # [B, kvH, L, D]
-        v = gather_kv(kv_cache[1], tables)
+        k, v = gather_kv(kv_cache, metadata.decode_block_tables)  # [B, kvH, L, D]
         length = k.shape[2]
         mask = (torch.arange(length, device=query.device)[None, :]
                 < metadata.decode_seq_lens[:, None])  # [B, L]
@@ -67,9 +67,7 @@ class TorchPagedAttention(AttentionImpl):
         q = query.new_zeros(p * qmax, self.num_heads, self.head_size)
         q.index_copy_(0, flat_idx, query)
         q = q.view(p, qmax, self.num_heads, self.head_size).transpose(1, 2)  # [P, H, Qmax, D]
-        tables = metadata.prefill_block_tables
-        k = gather_kv(kv_cache[0], tables)  # [P, kvH, L, D]
-        v = gather_kv(kv_cache[1], tables)
+        k, v = gather_kv(kv_cache, metadata.prefill_block_tables)  # [P, kvH, L, D]
         length = k.shape[2]
         ctx = metadata.prefill_context_lens.long()[:, None, None]  # [P, 1, 1]
         q_pos = ctx + torch.arange(qmax, device=dev)[None, :, None]  # absolute query positions

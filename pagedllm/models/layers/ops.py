@@ -14,26 +14,30 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (normed, new residual). With ``residual``, normalizes ``x + residual``."""
+    """Returns (normed, new residual). With ``residual``, normalizes ``x + residual``.
+
+    transformers: ``weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)`` with h = x in float32;
+    F.rms_norm computes exactly that in one kernel (bit-identical in float32).
+    """
     if residual is not None:
         x = x + residual
     residual = x
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype), residual
+    size = (x.shape[-1],)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, size, weight, eps), residual
+    return weight * F.rms_norm(x.float(), size, None, eps).to(x.dtype), residual
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding. q [T, Hq, D], k [T, Hk, D], cos/sin [T, D] (already gathered)."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding of x [T, heads, D] (queries and keys together); cos/sin [T, D].
+
+    Same arithmetic as transformers' ``x * cos + rotate_half(x) * sin``.
+    """
+    half = x.shape[-1] // 2
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ class Ops:
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
-        self.rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rotary
+        self.rotary: Callable[..., torch.Tensor] = rotary
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
