@@ -30,6 +30,30 @@ class Executor(ABC):
         """Release workers and devices."""
 
 
+class MultiWorkerExecutor(Executor):
+    """Several workers (tensor-parallel ranks) that each run every call; rank 0 returns samples.
+
+    Subclasses supply ``_call(method, *args) -> [result of each rank]`` (processes, Ray actors).
+    """
+
+    @abstractmethod
+    def _call(self, method: str, *args: object) -> list: ...
+
+    def _pack(self, batch: ScheduledBatch) -> object:
+        """How the batch travels to the workers (sent as is by default)."""
+        return batch
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        per_rank = self._call("determine_num_blocks")
+        return min(d for d, _ in per_rank), min(h for _, h in per_rank)
+
+    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self._call("init_cache", num_device_blocks, num_host_blocks)
+
+    def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        return self._call("execute", self._pack(batch))[0] or []
+
+
 def make_executor(config: EngineConfig, backend: Backend) -> Executor:
     kind = config.parallel.distributed_executor_backend
     if kind == "uni":

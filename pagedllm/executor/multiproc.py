@@ -21,12 +21,11 @@ from typing import Any
 
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import RemoteFailure, WorkerDiedError, WorkerError, exit_reason
 from pagedllm.distributed.utils import (forwarded_env, get_open_port, loopback_interface,
                                         verify_tensor_parallel, worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
-from pagedllm.executor.base import Executor
+from pagedllm.executor.base import MultiWorkerExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ def _stop_workers(workers: list[_WorkerHandle], graceful: bool) -> None:
         w.conn.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiWorkerExecutor):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         super().__init__(config, backend)
         n = config.parallel.tensor_parallel_size
@@ -127,15 +126,6 @@ class MultiprocExecutor(Executor):
                     backend.dist_backend, threads)
 
     # --- the Executor interface ----------------------------------------------------------
-    def determine_num_blocks(self) -> tuple[int, int]:
-        per_rank = self._call("determine_num_blocks")
-        return min(d for d, _ in per_rank), min(h for _, h in per_rank)
-
-    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self._call("init_cache", num_device_blocks, num_host_blocks)
-
-    def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
-        return self._call("execute", batch)[0] or []
 
     def check_health(self) -> None:
         """Raise if a worker is gone; only looks at the processes (safe during a step)."""

@@ -21,12 +21,12 @@ from typing import Any
 
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.core.batch import ScheduledBatch
 from pagedllm.distributed.errors import WorkerDiedError, WorkerError
 from pagedllm.distributed.utils import (available_cpus, forwarded_env, get_open_port,
                                         verify_tensor_parallel, worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
-from pagedllm.executor.base import Executor
+from pagedllm.executor.base import MultiWorkerExecutor
 
 try:
     import ray
@@ -101,7 +101,7 @@ class _RayResources:
             ray.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(MultiWorkerExecutor):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         super().__init__(config, backend)
         n = config.parallel.tensor_parallel_size
@@ -161,15 +161,8 @@ class RayExecutor(Executor):
                     backend.dist_backend, init_method)
 
     # --- the Executor interface ----------------------------------------------------------
-    def determine_num_blocks(self) -> tuple[int, int]:
-        per_rank = self._call("determine_num_blocks")
-        return min(d for d, _ in per_rank), min(h for _, h in per_rank)
-
-    def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self._call("init_cache", num_device_blocks, num_host_blocks)
-
-    def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
-        return self._call("execute", ray.put(batch))[0] or []
+    def _pack(self, batch: ScheduledBatch) -> object:
+        return ray.put(batch)  # one object-store copy shared by every actor
 
     def check_health(self) -> None:
         """Raise if an actor is gone (looks only at the death watches; safe during a step)."""
