@@ -21,8 +21,8 @@ def make_engine(model: str) -> AsyncLLMEngine:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: str) -> Iterator[AsyncLLMEngine]:
-    engine = make_engine(tiny_model)
+def engine(llama_path: str) -> Iterator[AsyncLLMEngine]:
+    engine = make_engine(llama_path)
     yield engine
     engine.engine.shutdown()
 
@@ -167,10 +167,10 @@ def test_step_runs_on_one_thread_and_loop_stays_responsive(engine: AsyncLLMEngin
     assert ticks >= 20  # ~4 slow steps of 50 ms: the loop ran throughout
 
 
-def test_exception_in_step_fails_requests_and_kills_engine(tiny_model: str,
+def test_exception_in_step_fails_requests_and_kills_engine(llama_path: str,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    engine = make_engine(tiny_model)
+    engine = make_engine(llama_path)
     executor = engine.engine.executor
     real_execute = executor.execute
     calls = {"n": 0}
@@ -210,8 +210,8 @@ def test_exception_in_step_fails_requests_and_kills_engine(tiny_model: str,
     engine.engine.shutdown()
 
 
-def test_shutdown_fails_pending_requests(tiny_model: str) -> None:
-    engine = make_engine(tiny_model)
+def test_shutdown_fails_pending_requests(llama_path: str) -> None:
+    engine = make_engine(llama_path)
 
     async def main() -> None:
         stream = await engine.add_request("s1", "bye", params(500))
