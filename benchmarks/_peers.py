@@ -67,7 +67,7 @@ def run_pagedllm(spec: Spec) -> Result:
     device = _resolve_device(spec["device"])
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], device=device, max_num_seqs=256,
-              load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"],
+              load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"] or None,
               seed=spec["seed"])
     load_s = time.perf_counter() - start
     warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
@@ -107,7 +107,8 @@ def run_hf(spec: Spec) -> Result:
     if spec["load_format"] == "dummy":
         torch.manual_seed(spec["seed"])
         config = AutoConfig.from_pretrained(spec["model"])
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device(device):  # random weights made where they run (8B on a GPU: seconds)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
     model = model.to(device).eval()
@@ -161,8 +162,27 @@ def run_gemm(spec: Spec) -> Result:
             n *= 2  # the next size takes ~8x longer
         rates[name] = 2 * n**3 / _mm_seconds(n, dtype, device, 5) / 1e9
         sizes[name] = n
-    return dict(version=torch.__version__, device=device, gemm_size=sizes,
-                gemm_gflops=rates, threads=torch.get_num_threads())
+    result = dict(version=torch.__version__, device=device, gemm_size=sizes,
+                  gemm_gflops=rates, threads=torch.get_num_threads())
+    if device == "cuda":
+        result["copy_gbps"] = _copy_gbps(torch)
+    return result
+
+
+def _copy_gbps(torch: Any) -> float:
+    """Device-to-device copy of 1 GiB, (read + write bytes) / best-of-10 time, in GB/s."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / best / 1e9
 
 
 RUNNERS: dict[str, Callable[[Spec], Result]] = {

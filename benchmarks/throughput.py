@@ -78,12 +78,18 @@ def make_prompts(n: int, length: int, vocab: int, avoid: set[int], seed: int) ->
 
 def flops_per_token(config: dict[str, Any], context: float) -> float:
     """Forward FLOPs for one token at mean attention ``context``: 2 x matmul weights + attention."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    q = heads * (config.get("head_dim") or config["hidden_size"] // heads)
+    return 2.0 * weight_count(config) + 4.0 * layers * q * context  # QK^T and PV
+
+
+def weight_count(config: dict[str, Any]) -> int:
+    """Matmul weights one token's forward reads: the layers and the lm_head, not the embedding."""
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
     q, kv = heads * head_dim, config["num_key_value_heads"] * head_dim
-    weights = layers * (2 * h * q + 2 * h * kv + 3 * h * i) + v * h  # lm_head, not the embedding
-    return 2.0 * weights + 4.0 * layers * q * context  # QK^T and PV
+    return layers * (2 * h * q + 2 * h * kv + 3 * h * i) + v * h
 
 
 def cpu_busy_seconds() -> float:
@@ -169,7 +175,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def table(results: dict[str, dict[str, Any]], peak: float | None) -> list[str]:
     """Markdown rows, one per engine; an engine that failed shows its error."""
     rows = ["| backend | version | device | elapsed s | req/s | output tok/s | total tok/s "
-            "| GFLOP/s | % fp32 GEMM | load s | wall s | other load |",
+            "| GFLOP/s | % GEMM peak | load s | wall s | other load |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if "error" in r:
@@ -184,11 +190,11 @@ def table(results: dict[str, dict[str, Any]], peak: float | None) -> list[str]:
 
 
 def report(results: dict[str, dict[str, Any]], gemm: dict[str, Any], flops: float,
-           args: argparse.Namespace) -> dict[str, Any]:
+           args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     """Print the markdown table, ratios, roofline and agreement; return them for --output-json."""
     ok = {k: r for k, r in results.items() if "error" not in r}
     rates = gemm.get("gemm_gflops", {})
-    peak = rates.get("float32")
+    peak = rates.get(args.dtype) or rates.get("float32")
     ratios = {f"{a}/{b}": ok[a]["output_tok_per_s"] / ok[b]["output_tok_per_s"]
               for a, b in RATIOS if a in ok and b in ok}
     names = list(ok)
@@ -198,9 +204,16 @@ def report(results: dict[str, dict[str, Any]], gemm: dict[str, Any], flops: floa
              f"dtype {args.dtype}, model {args.model}", ""] + table(results, peak) + [""]
     lines += [f"- output-throughput ratio {k}: {v:.2f}x" for k, v in ratios.items()]
     measured = ", ".join(f"{k} {v:.1f} (n={gemm['gemm_size'][k]})" for k, v in rates.items())
-    ceiling = f" -> fp32 compute ceiling {peak * 1e9 / flops:.0f} tok/s" if peak else ""
+    ceiling = (f" -> {args.dtype} compute ceiling {peak * 1e9 / flops:.0f} tok/s (prompt + "
+               f"output)" if peak else "")
     lines.append(f"- roofline: torch.mm GFLOP/s {measured or gemm.get('error')}; "
                  f"model {flops / 1e9:.3f} GFLOP/token{ceiling}")
+    if "copy_gbps" in gemm:  # every decode step streams all weights at least once
+        weight_bytes = weight_count(config) * (2 if args.dtype != "float32" else 4)
+        lines.append(f"- memory roofline: copy {gemm['copy_gbps'] / 1e3:.2f} TB/s, weights "
+                     f"{weight_bytes / 1e9:.1f} GB -> one decode step >= "
+                     f"{weight_bytes / (gemm['copy_gbps'] * 1e9) * 1e3:.2f} ms (batch 1: <= "
+                     f"{gemm['copy_gbps'] * 1e9 / weight_bytes:.0f} tok/s)")
     lines += [f"- greedy ids {k}: {g['identical']}/{g['prompts']} prompts identical, mean "
               f"common prefix {g['mean_common_prefix']:.1f}/{args.output_len}"
               for k, g in agree.items()]
@@ -225,7 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            sys.executable))
     p.add_argument("--hf-batch-size", type=int, default=0, help="0: all prompts in one batch")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0,
+                   help="pagedllm's KV cache size; 0: sized by profiling (gpu_memory_utilization)")
     p.add_argument("--warmup-prompts", type=int, default=4)
     p.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
     p.add_argument("--output-json", type=Path)
@@ -262,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         if "error" not in result:
             add_metrics(result, args, flops)
         results[name] = result
-    summary = report(results, gemm, flops, args)
+    summary = report(results, gemm, flops, args, config)
     if args.output_json:
         args.output_json.write_text(json.dumps(summary, indent=2))
         logger.info("wrote %s", args.output_json)

@@ -5,6 +5,7 @@ by the backend (``Backend.check_and_update_config``) and the worker's memory pro
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ PREEMPTION_MODES = (None, "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+# the attention implementation when none is given (like vLLM's VLLM_ATTENTION_BACKEND)
+ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
 
 def _check(cond: bool, name: str, value: object, allowed: str) -> None:
@@ -141,3 +144,7 @@ class EngineConfig:
     device: str = "auto"  # resolved to a backend name
     enforce_eager: bool = False
     attention_backend: str | None = None  # a backend-specific attention implementation name
+
+    def __post_init__(self) -> None:
+        if self.attention_backend is None:  # unset: $PAGEDLLM_ATTENTION_BACKEND, else the default
+            self.attention_backend = os.environ.get(ATTENTION_BACKEND_ENV, "").strip() or None

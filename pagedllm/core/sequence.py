@@ -86,7 +86,8 @@ class Sequence:
         return self.status.is_finished
 
     def fork(self, seq_id: int, index: int) -> Sequence:
-        """A copy sharing history; the caller forks the block table alongside."""
+        """A copy sharing history; the caller forks the block table alongside and starts the
+        child's detokenizer (its state is not copyable with every tokenizers version)."""
         import copy
 
         child = copy.copy(self)
@@ -94,7 +95,7 @@ class Sequence:
         child.index = index
         child.token_ids = list(self.token_ids)
         child.output_logprobs = list(self.output_logprobs)
-        child.detok_state = copy.deepcopy(self.detok_state)
+        child.detok_state = None
         return child
 
 

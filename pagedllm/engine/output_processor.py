@@ -38,7 +38,9 @@ class OutputProcessor:
             if not group.forked:
                 group.forked = True
                 for j, sample in enumerate(out.samples[1:], start=1):
-                    self._append(group, fork(group, seq, j), sample)
+                    child = fork(group, seq, j)  # forked before the first output token
+                    self.start(child, group.sampling_params)
+                    self._append(group, child, sample)
             self._append(group, seq, out.samples[0])
             if group.metrics is not None:
                 group.metrics.first_token_time = group.metrics.first_token_time or now

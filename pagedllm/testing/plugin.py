@@ -37,6 +37,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=help_text)
     except ValueError:  # another plugin owns --device; keep the long spelling
         group.addoption("--pagedllm-device", dest="pagedllm_device", default=None, help=help_text)
+    group.addoption("--attention-backend", dest="pagedllm_attention_backend", default=None,
+                    help="the backend's attention implementation to check (its attention_cls "
+                         "choice, e.g. 'ipex' on cpu); sets $PAGEDLLM_ATTENTION_BACKEND for the "
+                         "run. Default: the backend's own default")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,6 +49,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "capabilities (Capabilities fields, 'dtype:NAME', or 'cached_context' = prefix caching "
         "or chunked prefill); skipped, and reported, when the backend does not declare them")
     config.stash[_COVERAGE] = Coverage()
+    attention = config.getoption("pagedllm_attention_backend", None)
+    if attention:  # every EngineConfig of the run (and of its subprocesses) picks it up
+        from pagedllm.config import ATTENTION_BACKEND_ENV
+
+        os.environ[ATTENTION_BACKEND_ENV] = attention
     config.pluginmanager.register(_Recorder(config.stash[_COVERAGE]),
                                   "pagedllm-conformance-recorder")
 
@@ -108,8 +117,11 @@ def _check_backend(config: pytest.Config) -> None:
     cov = config.stash[_COVERAGE]
     cov.backend, cov.source = name, info.source
     tested = block_sizes_to_test(caps.block_sizes, caps.preferred_block_size)
+    from pagedllm.config import ATTENTION_BACKEND_ENV
+
+    attention = os.environ.get(ATTENTION_BACKEND_ENV) or "default"
     cov.header = (f"backend {name!r} from {info.source}; torch device {info.cls.torch_device!r}; "
-                  f"dtypes {', '.join(caps.dtypes)}; block sizes tested "
+                  f"attention {attention}; dtypes {', '.join(caps.dtypes)}; block sizes tested "
                   f"{', '.join(map(str, tested))}; declares "
                   f"{', '.join(declared) or 'no optional capability'}")
 

@@ -82,6 +82,31 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     return input_ids, positions, meta
 
 
+def select_logit_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[tuple[int, SampleRow]],
+                                                        list[tuple[int, int, list[int]]]]:
+    """(hidden-state rows needing logits, sample rows, prompt-logprob rows) for ``seqs``:
+    each sampling sequence's last row first, then every prompt-logprob row."""
+    rows: list[int] = []
+    sample_rows: list[tuple[int, SampleRow]] = []
+    prompt_rows: list[tuple[int, int, list[int]]] = []
+    offset = 0
+    for i, s in enumerate(seqs):
+        if s.num_samples > 0:
+            rows.append(offset + s.num_tokens - 1)
+            sample_rows.append((i, SampleRow(s.sampling_params, s.num_samples, s.seq_index,
+                                             s.seq_len - s.prompt_len, s.history,
+                                             s.prompt_len)))
+        offset += s.num_tokens
+    offset = 0
+    for i, s in enumerate(seqs):
+        if s.prompt_logprob_targets:
+            n = len(s.prompt_logprob_targets)
+            rows.extend(range(offset, offset + n))
+            prompt_rows.append((i, n, s.prompt_logprob_targets))
+        offset += s.num_tokens
+    return rows, sample_rows, prompt_rows
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int) -> None:
         self.model = model
@@ -91,24 +116,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         input_ids, positions, meta = build_metadata(batch.seqs, self.block_size, self.device)
-        rows: list[int] = []
-        sample_rows: list[tuple[int, SampleRow]] = []
-        prompt_rows: list[tuple[int, int, list[int]]] = []
-        offset = 0
-        for i, s in enumerate(batch.seqs):
-            if s.num_samples > 0:
-                rows.append(offset + s.num_tokens - 1)
-                sample_rows.append((i, SampleRow(s.sampling_params, s.num_samples, s.seq_index,
-                                                 s.seq_len - s.prompt_len, s.history,
-                                                 s.prompt_len)))
-            offset += s.num_tokens
-        offset = 0
-        for i, s in enumerate(batch.seqs):
-            if s.prompt_logprob_targets:
-                n = len(s.prompt_logprob_targets)
-                rows.extend(range(offset, offset + n))
-                prompt_rows.append((i, n, s.prompt_logprob_targets))
-            offset += s.num_tokens
+        rows, sample_rows, prompt_rows = select_logit_rows(batch.seqs)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),

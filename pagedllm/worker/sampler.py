@@ -6,6 +6,7 @@ only on its own seed and history, never on what else is in the batch or on preem
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,26 @@ class SampleRow:
     prompt_len: int
 
 
+@functools.lru_cache(maxsize=None)
+def generator_device(device: torch.device) -> torch.device:
+    """Where random draws for tensors on ``device`` are made: the device itself, or the host
+    for devices without ``torch.Generator`` support (XLA); host draws are then moved over."""
+    try:
+        torch.Generator(device=device)
+        return device
+    except RuntimeError:
+        return torch.device("cpu")
+
+
 def _seeded_generator(seed: int, index: int, step: int, device: torch.device) -> torch.Generator:
     mixed = hash((seed, index, step)) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator(device=device).manual_seed(mixed)
+    return torch.Generator(device=generator_device(device)).manual_seed(mixed)
+
+
+def _exponential(shape: tuple[int, ...], generator: torch.Generator,
+                 device: torch.device) -> torch.Tensor:
+    """Exp(1) draws of ``shape`` from ``generator``, on ``device``."""
+    return torch.empty(shape, device=generator.device).exponential_(generator=generator).to(device)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -119,7 +137,7 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows_k: list[int
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=generator_device(device)).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         """``logits`` [len(rows), vocab] float32 -> for each row its ``num_samples`` samples."""
@@ -160,11 +178,11 @@ class Sampler:
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.params.seed is None]
         if unseeded:
-            q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device
-                                      ).exponential_(generator=self.generator)
+            q[unseeded] = _exponential((len(unseeded), probs.shape[1]), self.generator,
+                                       probs.device)
         for j, r in enumerate(sub_rows):
             if r.params.seed is not None:
                 gen = _seeded_generator(r.params.seed, r.seq_index, r.output_len, probs.device)
-                q[j].exponential_(generator=gen)
+                q[j] = _exponential((probs.shape[1],), gen, probs.device)
         tokens[idx] = (probs / q).argmax(dim=-1)
         return tokens

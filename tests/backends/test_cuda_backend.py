@@ -1,6 +1,7 @@
 """The cuda (or rocm) backend end to end: HF equality and CUDA graphs vs eager. Needs a GPU."""
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -20,6 +21,23 @@ MODES = {
 }
 
 
+# head size 64: a size the decode kernel is compiled for (the default tiny checkpoints have 16)
+KERNEL_SHAPE = dict(hidden_size=128, num_attention_heads=2)
+
+
+def kernel_checkpoint(factory, arch: str, **overrides: object) -> str:
+    kv = {} if arch == "opt" else dict(num_key_value_heads=1)  # GQA 2:1 where the arch has it
+    return factory(arch, **KERNEL_SHAPE, **kv, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Each LLM takes a share of the GPU for its KV cache; give it back between tests."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def prompts() -> list[list[int]]:
     rng = random.Random(1)
     return [[rng.randint(3, 258) for _ in range(n)] for n in (5, 17, 33, 2, 64, 100, 40)]
@@ -35,21 +53,29 @@ def hf_greedy(path: str, ps: list[list[int]], dtype: torch.dtype, n: int) -> lis
                 .tolist() for p in ps]
 
 
-def run(path: str, n: int, **kw: object) -> tuple[LLM, list[list[int]]]:
+def run(path: str, n: int, **kw: object) -> tuple[dict, list[list[int]]]:
+    """Greedy ids, and facts about the engine; the engine is gone when this returns (each one
+    sizes its KV cache from what the GPU has free, so two must not be alive at once)."""
     llm = LLM(path, device=DEVICE, gpu_memory_utilization=0.3, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return llm, [o.outputs[0].token_ids for o in outs]
+    engine = llm.llm_engine
+    facts = dict(stats=engine.stats(), attention_backend=engine.config.attention_backend,
+                 graphs=getattr(engine.executor.worker, "graphs", None) is not None)
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return facts, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_float32_greedy_matches_transformers(checkpoint_factory, arch: str, mode: str) -> None:
-    path = checkpoint_factory(arch)
+    path = kernel_checkpoint(checkpoint_factory, arch)
     expected = hf_greedy(path, prompts(), torch.float32, 24)
-    llm, got = run(path, 24, dtype="float32", **MODES[mode])
+    facts, got = run(path, 24, dtype="float32", **MODES[mode])
     assert got == expected
-    s = llm.llm_engine.stats()
+    s = facts["stats"]
     assert s.num_free_blocks + s.num_cached_blocks == s.num_blocks
     if mode.startswith("preempt"):
         assert s.num_preemptions > 0
@@ -57,11 +83,21 @@ def test_float32_greedy_matches_transformers(checkpoint_factory, arch: str, mode
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
-    path = checkpoint_factory("llama", num_hidden_layers=3)
+    path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=3)
     _, eager = run(path, 40, dtype=dtype, enforce_eager=True, max_num_seqs=16)
-    llm, graphs = run(path, 40, dtype=dtype, enforce_eager=False, max_num_seqs=16)
-    assert llm.llm_engine.executor.worker.graphs is not None
+    facts, graphs = run(path, 40, dtype=dtype, enforce_eager=False, max_num_seqs=16)
+    assert facts["graphs"]
     assert graphs == eager
+
+
+def test_unsupported_head_size_falls_back_to_torch_attention(checkpoint_factory) -> None:
+    path = checkpoint_factory("llama")  # head size 16: no kernel
+    expected = hf_greedy(path, prompts(), torch.float32, 16)
+    facts, got = run(path, 16, dtype="float32")
+    assert facts["attention_backend"] == "torch" and not facts["graphs"]
+    assert got == expected
+    with pytest.raises(ValueError, match="head_size=16"):
+        LLM(path, device=DEVICE, dtype="float32", attention_backend="kernels")
 
 
 def test_backend_reports_available() -> None:

@@ -30,7 +30,12 @@ class CpuBackend(Backend):
             from pagedllm.backends.cpu.attention import TorchPagedAttention
 
             return TorchPagedAttention
-        raise ValueError(f"attention_backend={choice!r} is not available on cpu; allowed: torch")
+        if choice == "ipex":  # intel_extension_for_pytorch's CPU build (imported when used)
+            from pagedllm.backends.cpu.ipex_attention import IpexPagedAttention
+
+            return IpexPagedAttention
+        raise ValueError(f"attention_backend={choice!r} is not available on cpu; "
+                         "allowed: torch, ipex")
 
     def register_ops(self, ops: Ops) -> None:
         from pagedllm.backends.cpu import ops as cpu_ops

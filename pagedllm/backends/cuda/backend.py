@@ -1,6 +1,7 @@
 """The cuda backend: csrc/ paged-attention and cache kernels, CUDA graphs for decode."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedllm.backends.attention import AttentionImpl
@@ -9,6 +10,8 @@ from pagedllm.backends.interface import Backend, Capabilities, CacheOps
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class CudaBackend(Backend):
@@ -40,6 +43,24 @@ class CudaBackend(Backend):
         if count == 0:
             return False, f"no {cls.platform.upper()} device is visible (device_count() == 0)"
         return True, f"{count} device(s), {cls.platform} {version}"
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """The decode kernel is compiled for a fixed set of head sizes; other models run on the
+        torch attention (eager) unless the kernels were asked for by name."""
+        super().check_and_update_config(config)
+        from pagedllm.backends.cuda.checks import HEAD_SIZES
+
+        head_size = config.model.get_head_size()
+        if head_size in HEAD_SIZES or config.attention_backend == "torch":
+            return
+        if config.attention_backend == "kernels":
+            raise ValueError(f"head_size={head_size} is not supported by the {self.name} attention "
+                             f"kernels; supported: {HEAD_SIZES} (attention_backend='torch' runs "
+                             "any head size)")
+        logger.warning("head size %d has no %s attention kernel (compiled: %s); using the torch "
+                       "attention, without CUDA graphs", head_size, self.name, HEAD_SIZES)
+        config.attention_backend = "torch"
+        config.enforce_eager = True
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
         choice = config.attention_backend or "kernels"

@@ -83,7 +83,7 @@ def check_paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: tor
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         _fail("num_heads", f"={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if head_size not in HEAD_SIZES:
-        _fail("head_size", f"={head_size} is not supported; supported: {HEAD_SIZES}")
+        _fail("head_size", f"{head_size} is not supported; supported: {HEAD_SIZES}")
     if query.stride(-1) != 1:
         _fail("query", "must be contiguous in its last dimension")
     check_device(out, "out", device)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The H200 runs recorded in RESULTS.md, in stages that each fit one 10-minute device call:
+#
+#   bash benchmarks/h200_run.sh tests        # JIT-build csrc/, tests/kernels, cuda backend tests
+#   bash benchmarks/h200_run.sh kernel       # decode kernel vs copy bandwidth
+#   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
+#   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
+#
+# From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
+# under .carry/pc (ignored by git) so later stages on a warm machine reuse it.
+set -uo pipefail
+OUT="${OUT:-h200-logs}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PAGEDLLM_CACHE_DIR="$PWD/.carry/pc"
+export TOKENIZERS_PARALLELISM=false
+MODEL=.carry/llama3-8b-shape
+BENCH=(python benchmarks/throughput.py --model "$MODEL" --load-format dummy --dtype bfloat16
+       --device cuda --input-len 128 --output-len 128 --backend pagedllm,hf --kv-cache-gib 0)
+
+env_report() {
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python -c 'import torch, transformers, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "triton", triton.__version__)'
+    nvcc --version | tail -2; } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+}
+
+model() {
+  [ -f "$MODEL/config.json" ] || python benchmarks/make_model.py "$MODEL" --preset llama3-8b-shape \
+    --dtype bfloat16
+}
+
+case "${1:?stage: tests|kernel|throughput|latency}" in
+  tests)
+    env_report
+    /usr/bin/time -f "kernel build %e s" python -c \
+      'from pagedllm.backends.cuda import ops; ops.load_kernels()' 2>&1 | tail -3
+    timeout 280 python -m pytest -q -p no:cacheprovider tests/kernels -k "not emulated" \
+      -x --durations=5 2>&1 | tee "$OUT/kernels.log" | tail -15
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_backend.py \
+      --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
+    ;;
+  kernel)
+    python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"
+    ;;
+  throughput)
+    model
+    "${BENCH[@]}" --num-prompts 1000 --hf-batch-size 256 --warmup-prompts 256 \
+      --log-dir "$OUT/throughput" --output-json "$OUT/throughput.json" 2>&1 | tail -14
+    ;;
+  latency)
+    model
+    "${BENCH[@]}" --num-prompts 1 --hf-batch-size 1 --warmup-prompts 1 \
+      --log-dir "$OUT/latency" --output-json "$OUT/latency.json" 2>&1 | tail -14
+    ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
