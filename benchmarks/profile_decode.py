@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: wall ms per engine step at a batch size, a cProfile of the
+engine's Python work, and (with --gpu-table) torch.profiler's per-kernel GPU time.
+
+    python benchmarks/profile_decode.py --model .carry/llama3-8b-shape --load-format dummy \\
+        --device cuda --dtype bfloat16 --batch 256 --batch 1 --gpu-table
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import time
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch", type=int, action="append", help="repeatable; default 256")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--gpu-table", action="store_true")
+    args = p.parse_args()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+              max_num_seqs=max(args.batch or [256]))
+    engine = llm.llm_engine
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    rng = random.Random(0)
+    vocab = min(4000, engine.config.model.get_vocab_size())
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 3 + 10, ignore_eos=True)
+
+    def timed(k: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(k):
+            engine.step()
+        sync()
+        return (time.perf_counter() - start) / k * 1e3
+
+    for batch in args.batch or [256]:
+        for i in range(batch):
+            ids = [rng.randint(10, vocab - 1) for _ in range(args.input_len)]
+            engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
+        while engine.stats().num_waiting:  # prefill everything; then only decode steps remain
+            engine.step()
+        timed(3)
+        print(f"batch {batch}: {timed(args.steps):.2f} ms per decode step")
+        prof = cProfile.Profile()
+        prof.enable()
+        ms = timed(args.steps)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+        print(f"batch {batch}: {ms:.2f} ms per step under cProfile\n{out.getvalue()}")
+        if args.gpu_table and torch.cuda.is_available():
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as gpu:
+                timed(5)
+            print(gpu.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+if __name__ == "__main__":
+    main()
