@@ -31,7 +31,10 @@ setup(
     version="0.1.0",
     description="LLM inference and serving with a paged KV cache on many hardware backends",
     packages=find_packages(include=["pagedllm", "pagedllm.*"]),
-    package_data={"pagedllm": ["py.typed"]},
+    # the built-in demo model (pagedllm/models/demo.py): weights, tokenizer, configs, model card
+    package_data={"pagedllm": ["py.typed", "models/demo_model/*.json",
+                               "models/demo_model/*.safetensors", "models/demo_model/README.md",
+                               "models/demo_model/*.png"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

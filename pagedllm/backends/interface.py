@@ -121,7 +121,8 @@ class Backend(ABC):
 
     def auto_dtype(self, hf_config: object) -> str:
         """dtype="auto": the checkpoint's half type if supported, otherwise the default dtype."""
-        torch_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", "")
+        # transformers 5 names it dtype (torch_dtype is deprecated); 4.x names it torch_dtype
+        torch_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "")
                           or "").removeprefix("torch.")
         if torch_dtype in ("float16", "bfloat16") and torch_dtype in self.capabilities.dtypes:
             return torch_dtype

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 SAMPLING_FLAGS = {  # flag -> (type, default); names as in SamplingParams
-    "max_tokens": (int, 32), "temperature": (float, 0.0), "top_p": (float, 1.0),
+    "max_tokens": (int, 64), "temperature": (float, 0.0), "top_p": (float, 1.0),
     "top_k": (int, -1), "min_p": (float, 0.0), "n": (int, 1),
     "presence_penalty": (float, 0.0), "frequency_penalty": (float, 0.0),
     "repetition_penalty": (float, 1.0), "min_tokens": (int, 0),
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: v for k, v in vars(engine_args).items()})
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    for out in outputs:
+    for out in outputs:  # the text as it reads (code keeps its layout), then how it ended
         for comp in out.outputs:
-            print(f"{out.prompt!r} -> {comp.text!r} [{comp.finish_reason}]")
+            print(f"{out.prompt}{comp.text}\n--- [{comp.finish_reason}, "
+                  f"{len(comp.token_ids)} tokens]")
     return 0

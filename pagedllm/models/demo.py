@@ -1,33 +1,28 @@
-"""The built-in default model: a tiny deterministic Llama written to a cache folder on first use.
+"""The built-in default model: a small Llama trained by the project to complete Python code.
 
-It makes ``pagedllm generate`` work with no download; its weights are random (seeded), so its
-text is not meaningful.
+It ships inside the package (``pagedllm/models/demo_model/``), so ``pagedllm generate`` and
+``pagedllm serve`` show real text with no download. How it was made, and how well it does, is
+in that folder's README.md; tools/train_demo_model.py rebuilds it.
 """
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
-DEMO_VERSION = "v1"
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def cache_dir() -> str:
-    return os.environ.get("PAGEDLLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedllm"))
+def missing_files(path: str = DEMO_DIR) -> list[str]:
+    """The files a usable demo folder needs that ``path`` lacks (a checkout without weights)."""
+    return [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
 
 
 def demo_model_path() -> str:
-    path = os.path.join(cache_dir(), f"demo-{DEMO_VERSION}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    from pagedllm.testing.checkpoints import make_checkpoint
-
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".demo-")
-    make_checkpoint(tmp, "llama", seed=1234, num_hidden_layers=4, hidden_size=128,
-                    intermediate_size=256, max_position_embeddings=2048)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The shipped folder; an error that says how to get the weights when they are not there."""
+    missing = missing_files()
+    if missing:
+        raise ValueError(
+            f"the built-in model folder {DEMO_DIR} lacks {', '.join(missing)}; reinstall pagedllm "
+            "from a release, or train it with `python tools/train_demo_model.py --out "
+            f"{DEMO_DIR}`, or pass --model with a local Hugging Face checkpoint folder")
+    return DEMO_DIR

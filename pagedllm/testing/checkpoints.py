@@ -1,4 +1,4 @@
-"""Tiny random-weight Hugging Face checkpoints (safetensors + tokenizer) for tests and the demo."""
+"""Tiny random-weight Hugging Face checkpoints (safetensors + tokenizer) for tests and benchmarks."""
 from __future__ import annotations
 
 import os
