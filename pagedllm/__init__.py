@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.version import __version__
 
 if TYPE_CHECKING:
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
-           "RequestOutput", "CompletionOutput", "__version__"]
+           "RequestOutput", "RequestOutputKind", "CompletionOutput", "__version__"]
 
 _LAZY = {
     "LLM": "pagedllm.engine.llm",

@@ -14,6 +14,14 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(IntEnum):
+    """Which RequestOutputs a request produces (vLLM's names): one after every step with all of
+    the text so far (streaming), or only the last one (offline generation: ``LLM.generate``)."""
+    CUMULATIVE = 0
+    DELTA = 1  # vLLM's delta outputs; not implemented here (rejected by validation)
+    FINAL_ONLY = 2
+
+
 def _fail(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
 
@@ -46,6 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     timeout_seconds: float | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled in by the engine from the tokenizer / generation config; not user-facing
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -108,6 +117,9 @@ class SamplingParams:
         if self.timeout_seconds is not None and (not is_num(self.timeout_seconds)
                                                  or self.timeout_seconds <= 0):
             _fail("timeout_seconds", self.timeout_seconds, "must be a number > 0 or None")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            _fail("output_kind", self.output_kind,
+                  "allowed: RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY")
         if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY and self.best_of != self.n:
             _fail("best_of", self.best_of, "must equal n when sampling greedily (temperature=0)")
 

@@ -28,6 +28,8 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISH_REASONS = {"stop", "length", "timeout", "abort"}
+# checked for every sequence several times a step: a set lookup, not the enum property
+FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.is_finished)
 
 
 class Sequence:
@@ -83,7 +85,7 @@ class Sequence:
             self.output_logprobs.append(logprobs)
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED_STATUSES
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy sharing history; the caller forks the block table alongside and starts the

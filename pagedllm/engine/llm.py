@@ -8,7 +8,7 @@ from typing import Any
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -56,6 +56,10 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
                                  "prompts; pass one or a list of the same length")
+        # offline: only each request's last output is used, so the engine builds no others
+        params = [p.clone() for p in params]
+        for p in params:
+            p.output_kind = RequestOutputKind.FINAL_ONLY
         ids = []
         try:
             for prompt, p in zip(prompts, params):

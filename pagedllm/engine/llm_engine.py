@@ -17,7 +17,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.base import make_executor
 from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,10 @@ class LLMEngine:
         self.scheduler.free_finished()
         results, self._pending_outputs = self._pending_outputs, []
         for group in [*sched.timed_out, *touched]:
-            results.append(self.output_processor.make_output(group))
-            if group.is_finished():
+            finished = group.is_finished()
+            if finished or group.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.append(self.output_processor.make_output(group))
+            if finished:
                 self._requests.pop(group.request_id, None)
         return results
 

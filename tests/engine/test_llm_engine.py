@@ -133,3 +133,25 @@ def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     byte_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_final_only_requests_report_once_and_match_cumulative(llm: LLM) -> None:
+    from pagedllm import RequestOutputKind
+
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        engine.add_request(kind.name, prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                             ignore_eos=True, output_kind=kind))
+    seen: dict[str, list[RequestOutput]] = {"CUMULATIVE": [], "FINAL_ONLY": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["CUMULATIVE"]) == 6 and len(seen["FINAL_ONLY"]) == 1
+    final = seen["FINAL_ONLY"][0]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert final.outputs[0].token_ids == seen["CUMULATIVE"][-1].outputs[0].token_ids
+    assert final.outputs[0].text == seen["CUMULATIVE"][-1].outputs[0].text
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    assert_drained(engine)
