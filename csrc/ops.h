@@ -22,8 +22,12 @@ inline int scalar_type_size(ScalarType dtype) { return dtype == ScalarType::kFlo
 // ---------------------------------------------------------------------------------------------
 
 // Tokens per partition of the context. A sequence longer than this is split over several thread
-// blocks whose partial results a second (reduce) kernel combines.
-constexpr int kPartitionSize = 512;
+// blocks whose partial results a second (reduce) kernel combines. (-DPAGEDLLM_PARTITION_SIZE=N
+// overrides it for tuning experiments; see PAGEDLLM_KERNEL_FLAGS in setup_ext.py.)
+#ifndef PAGEDLLM_PARTITION_SIZE
+#define PAGEDLLM_PARTITION_SIZE 512
+#endif
+constexpr int kPartitionSize = PAGEDLLM_PARTITION_SIZE;
 
 inline int paged_attention_num_partitions(int max_seq_len) {
   return max_seq_len <= 0 ? 1 : (max_seq_len + kPartitionSize - 1) / kPartitionSize;

@@ -33,7 +33,10 @@
 
 namespace pagedllm {
 
-constexpr int kAttnWarps = 4;
+#ifndef PAGEDLLM_ATTN_WARPS  // warps per thread block (a tuning knob, like the partition size)
+#define PAGEDLLM_ATTN_WARPS 4
+#endif
+constexpr int kAttnWarps = PAGEDLLM_ATTN_WARPS;
 constexpr int kAttnThreads = kAttnWarps * WARP_SIZE;
 constexpr int kReduceThreads = 128;
 

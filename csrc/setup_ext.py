@@ -77,7 +77,8 @@ def compile_args(device: str) -> dict[str, list[str]]:
         gpu.append("-DUSE_ROCM")
     else:
         gpu.append("-lineinfo")
-    return {"cxx": cxx, "nvcc": gpu}
+    extra = os.environ.get("PAGEDLLM_KERNEL_FLAGS", "").split()  # e.g. tuning -D overrides
+    return {"cxx": cxx + extra, "nvcc": gpu + extra}
 
 
 def ensure_default_arch(device: str) -> None:

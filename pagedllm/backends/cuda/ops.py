@@ -46,10 +46,10 @@ def _setup_ext(src: Path) -> ModuleType:
     return module
 
 
-def _build_directory(files: Sequence[str], device: str) -> Path:
+def _build_directory(files: Sequence[str], device: str, flags: dict[str, list[str]]) -> Path:
     import torch
 
-    digest = hashlib.sha256(f"{torch.__version__}|{device}".encode())
+    digest = hashlib.sha256(f"{torch.__version__}|{device}|{sorted(flags.items())}".encode())
     for name in files:
         digest.update(Path(name).name.encode())
         digest.update(Path(name).read_bytes())
@@ -77,8 +77,8 @@ def _jit_build() -> ModuleType:
 
     ext.ensure_default_arch(device)
     sources = ext.kernel_sources(src)
-    build_dir = _build_directory(sources + ext.kernel_headers(src), device)
     flags = ext.compile_args(device)
+    build_dir = _build_directory(sources + ext.kernel_headers(src), device, flags)
     logger.info("building pagedllm %s kernels in %s (first use; takes a few minutes)", device, build_dir)
     return load(
         name="pagedllm_C",
