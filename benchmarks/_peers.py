@@ -4,8 +4,8 @@ Started by throughput.py, possibly under another interpreter (the vLLM venv), so
 imports only the standard library at top level; each runner imports its engine lazily.
 
 SPEC keys: backend, model, dtype, device, seed, load_format, prompts (list of token-id lists),
-output_len, warmup_prompts, hf_batch_size, kv_cache_gib.  RESULT keys: backend, version,
-device, load_s, warmup_s, elapsed_s, token_ids (one list per prompt), or error.
+output_len, warmup_prompts, hf_batch_size, kv_cache_gib, max_num_seqs.  RESULT keys: backend,
+version, device, load_s, warmup_s, elapsed_s, token_ids (one list per prompt), or error.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def run_vllm(spec: Spec) -> Result:
     from vllm.platforms import current_platform
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"], max_num_seqs=256,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"],
+              max_num_seqs=spec.get("max_num_seqs", 256),
               load_format=spec["load_format"])
     load_s = time.perf_counter() - start
     warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
@@ -66,7 +67,8 @@ def run_pagedllm(spec: Spec) -> Result:
 
     device = _resolve_device(spec["device"])
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], device=device, max_num_seqs=256,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], device=device,
+              max_num_seqs=spec.get("max_num_seqs", 256),
               load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"] or None,
               seed=spec["seed"])
     load_s = time.perf_counter() - start

@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
 #
+# Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
 # under .carry/pc (ignored by git) so later stages on a warm machine reuse it.
 set -uo pipefail
@@ -45,12 +46,12 @@ case "${1:?stage: tests|kernel|throughput|latency}" in
   throughput)
     model
     "${BENCH[@]}" --num-prompts 1000 --hf-batch-size 256 --warmup-prompts 256 \
-      --log-dir "$OUT/throughput" --output-json "$OUT/throughput.json" 2>&1 | tail -14
+      --log-dir "$OUT/throughput" --output-json "$OUT/throughput.json" "${@:2}" 2>&1 | tail -14
     ;;
   latency)
     model
     "${BENCH[@]}" --num-prompts 1 --hf-batch-size 1 --warmup-prompts 1 \
-      --log-dir "$OUT/latency" --output-json "$OUT/latency.json" 2>&1 | tail -14
+      --log-dir "$OUT/latency" --output-json "$OUT/latency.json" "${@:2}" 2>&1 | tail -14
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -241,6 +241,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="pagedllm's KV cache size; 0: sized by profiling (gpu_memory_utilization)")
     p.add_argument("--warmup-prompts", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="pagedllm's and vLLM's batch cap")
     p.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 load_format=args.load_format, prompts=prompts, output_len=args.output_len,
                 warmup_prompts=min(args.warmup_prompts, args.num_prompts),
                 hf_batch_size=args.hf_batch_size, kv_cache_gib=args.kv_cache_gib,
+                max_num_seqs=args.max_num_seqs,
                 gemm_dtypes=sorted({"float32", args.dtype}))
     gemm = run_child("gemm", sys.executable, dict(spec, backend="gemm", prompts=[]), log_dir,
                      child_env("gemm", args.kv_cache_gib))
