@@ -134,9 +134,12 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget,
                           chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
-        ordered = sorted(self.running, key=SequenceGroup.sort_key)
+        decodes: list[SequenceGroup] = []
+        prefills: list[SequenceGroup] = []
+        for group in sorted(self.running, key=SequenceGroup.sort_key):
+            (prefills if group.is_prefill() else decodes).append(group)
         # decodes before partial prefills, so ongoing generations keep a steady pace
-        pending = [g for g in ordered if not g.is_prefill()] + [g for g in ordered if g.is_prefill()]
+        pending = decodes + prefills
         kept: list[SequenceGroup] = []
         while pending:
             group = pending.pop(0)

@@ -28,8 +28,9 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISH_REASONS = {"stop", "length", "timeout", "abort"}
-# checked for every sequence several times a step: a set lookup, not the enum property
-FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.is_finished)
+# checked for every sequence several times a step: membership in a tuple compares identities
+# first (a frozenset would call Enum.__hash__, a Python function, on every check)
+FINISHED_STATUSES = tuple(s for s in SequenceStatus if s.is_finished)
 
 
 class Sequence:
@@ -136,7 +137,7 @@ class SequenceGroup:
         return all(s.is_finished() for s in self.seqs)
 
     def is_prefill(self) -> bool:
-        return any(s.is_prefill for s in self.unfinished_seqs())
+        return any(s.is_prefill for s in self.seqs if s.status not in FINISHED_STATUSES)
 
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and not all prompt positions have them yet."""
