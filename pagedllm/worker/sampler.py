@@ -144,6 +144,10 @@ class Sampler:
         expanded: list[SampleRow] = []
         src: list[int] = []
         for i, r in enumerate(rows):
+            if r.num_samples == 1:
+                expanded.append(r)
+                src.append(i)
+                continue
             for j in range(r.num_samples):
                 expanded.append(SampleRow(r.params, 1, r.seq_index + j, r.output_len, r.history,
                                           r.prompt_len))
@@ -151,9 +155,10 @@ class Sampler:
         if len(expanded) != len(rows):
             logits = logits[torch.tensor(src, device=logits.device)]
         logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        _apply_penalties(logits, expanded)
-        _apply_min_tokens(logits, expanded)
+        if any(r.history is not None or r.output_len < r.params.min_tokens for r in expanded):
+            logits = logits.clone()  # the edits below are in place; the caller's logits stay
+            _apply_penalties(logits, expanded)
+            _apply_min_tokens(logits, expanded)
         tokens = self._choose(logits, expanded)
         chosen_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         tops = _top_logprobs(logprobs, tokens, [r.params.logprobs for r in expanded])
