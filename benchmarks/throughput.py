@@ -5,6 +5,8 @@ benchmark_throughput): the same seeded random token-id prompts, greedy, ignore_e
         --num-prompts 64 --dtype float32 --backend pagedllm,hf,vllm
 
 Each engine runs in its own subprocess (benchmarks/_peers.py); vLLM under --vllm-python.
+--repeats N runs the engines N times round robin and reports each one's median run (for machines
+whose speed drifts).
 Without --model a random-weight 99M Llama (make_model.py bench99m) is built into a cache dir.
 """
 from __future__ import annotations
@@ -162,6 +164,13 @@ def add_metrics(result: dict[str, Any], args: argparse.Namespace, flops: float) 
                   achieved_gflops=(in_tokens + out_tokens) * flops / elapsed / 1e9)
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tok/s (the lower middle for an even count); the first
+    failed run when none succeeded."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["output_tok_per_s"])
+    return ok[(len(ok) - 1) // 2] if ok else runs[0]
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     """Prompts whose greedy ids match exactly, and the mean length of the common prefix."""
     prefixes = []
@@ -242,10 +251,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pagedllm's KV cache size; 0: sized by profiling (gpu_memory_utilization)")
     p.add_argument("--warmup-prompts", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=256, help="pagedllm's and vLLM's batch cap")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the engines (round robin); the table shows each one's median")
     p.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
-    for name in ("input_len", "output_len", "num_prompts"):
+    for name in ("input_len", "output_len", "num_prompts", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -270,14 +281,20 @@ def main(argv: list[str] | None = None) -> None:
     gemm = run_child("gemm", sys.executable, dict(spec, backend="gemm", prompts=[]), log_dir,
                      child_env("gemm", args.kv_cache_gib))
     flops = flops_per_token(config, args.input_len + args.output_len / 2)
-    results: dict[str, dict[str, Any]] = {}
-    for name in backends:
-        python = args.vllm_python if name == "vllm" else sys.executable
-        result = run_child(name, python, dict(spec, backend=name), log_dir,
-                           child_env(name, args.kv_cache_gib))
-        if "error" not in result:
-            add_metrics(result, args, flops)
-        results[name] = result
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
+    for _ in range(args.repeats):  # round robin, so a machine whose speed drifts hits all alike
+        for name in backends:
+            python = args.vllm_python if name == "vllm" else sys.executable
+            result = run_child(name, python, dict(spec, backend=name), log_dir,
+                               child_env(name, args.kv_cache_gib))
+            if "error" not in result:
+                add_metrics(result, args, flops)
+            runs[name].append(result)
+    results = {name: median_run(rs) for name, rs in runs.items()}
+    if args.repeats > 1:
+        for name, rs in runs.items():
+            rates = [f"{r['output_tok_per_s']:.1f}" for r in rs if "error" not in r]
+            logger.info("%s output tok/s per round: %s (table: the median)", name, ", ".join(rates))
     summary = report(results, gemm, flops, args, config)
     if args.output_json:
         args.output_json.write_text(json.dumps(summary, indent=2))
