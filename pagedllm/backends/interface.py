@@ -35,6 +35,7 @@ class Capabilities:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     preferred_block_size: int = 16
     block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    max_tensor_parallel_size: int | None = None  # None: as many devices as the backend counts
 
     def summary(self) -> str:
         flags = [name for name in ("graphs", "swap", "static_shapes", "prefix_caching",
@@ -111,6 +112,10 @@ class Backend(ABC):
             raise ValueError(f"enable_prefix_caching is not supported by the {self.name} backend")
         if config.scheduler.enable_chunked_prefill and not caps.chunked_prefill:
             raise ValueError(f"enable_chunked_prefill is not supported by the {self.name} backend")
+        tp = config.parallel.tensor_parallel_size
+        if caps.max_tensor_parallel_size is not None and tp > caps.max_tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tp} is not supported by the {self.name} backend "
+                             f"yet; use at most {caps.max_tensor_parallel_size}")
         if config.scheduler.preemption_mode == "swap" and not caps.swap:
             raise ValueError(f"preemption_mode='swap' is not supported by the {self.name} backend "
                              "(it cannot swap KV blocks to host memory); use 'recompute'")

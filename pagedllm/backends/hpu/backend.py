@@ -33,7 +33,7 @@ class HpuBackend(Backend):
     capabilities = Capabilities(graphs=True, swap=True, static_shapes=True, prefix_caching=False,
                                 chunked_prefill=False, dtypes=("bfloat16", "float32"),
                                 preferred_block_size=HPU_BLOCK_SIZE,
-                                block_sizes=(HPU_BLOCK_SIZE,))
+                                block_sizes=(HPU_BLOCK_SIZE,), max_tensor_parallel_size=1)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -53,9 +53,6 @@ class HpuBackend(Backend):
                         ENGINE_DEFAULT_BLOCK_SIZE, HPU_BLOCK_SIZE)
             config.cache.block_size = HPU_BLOCK_SIZE
         super().check_and_update_config(config)
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not "
-                             "supported by the hpu backend yet; use 1")
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
         choice = config.attention_backend or "flat"

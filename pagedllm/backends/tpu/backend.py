@@ -40,7 +40,7 @@ class TpuBackend(Backend):
     capabilities = Capabilities(graphs=False, swap=False, static_shapes=True,
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float32"), preferred_block_size=16,
-                                block_sizes=(16, 32, 64, 128))
+                                block_sizes=(16, 32, 64, 128), max_tensor_parallel_size=1)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -71,12 +71,6 @@ class TpuBackend(Backend):
                            f"TPU VM, or PJRT_DEVICE=CPU {ALLOW_CPU_ENV}=1 for testing)")
         except Exception as exc:  # a broken runtime must not break the backend table
             return False, f"torch_xla failed to initialize: {type(exc).__name__}: {exc}"
-
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        super().check_and_update_config(config)
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not "
-                             "supported by the tpu backend yet; use 1")
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
         choice = config.attention_backend or "xla"
