@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -57,9 +58,12 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
                                  "prompts; pass one or a list of the same length")
         # offline: only each request's last output is used, so the engine builds no others
-        params = [p.clone() for p in params]
+        # (one copy per distinct params object; add_request copies each request's again)
+        final: dict[int, SamplingParams] = {}
         for p in params:
-            p.output_kind = RequestOutputKind.FINAL_ONLY
+            if id(p) not in final:
+                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):
