@@ -6,18 +6,21 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import AsyncEngineBase, AsyncStream
 from pagedllm.entrypoints.openai.cli_args import ServerSettings
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from pagedllm.entrypoints.openai.logprobs import TokenTexts
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
+from pagedllm.entrypoints.openai.sse import SSEResponse
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -200,6 +203,21 @@ class ServingContext:
             abort_all(streams)
             raise
         return streams
+
+    async def respond(self, streams: list[AsyncStream], raw_request: Request,
+                      events: AsyncIterator[str] | None,
+                      make_body: Callable[[list[RequestOutput]], dict[str, Any]]) -> Response:
+        """Server-sent ``events`` when streaming (None: not streaming), else the JSON of
+        ``make_body(final outputs)``; either way the requests are aborted if the client leaves."""
+        if events is not None:
+            return SSEResponse(events, on_close=partial(abort_all, streams))
+        try:
+            finals = await self.wait_final(streams, raw_request)
+        finally:
+            abort_all(streams)
+        if finals is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(make_body(finals))
 
     async def wait_final(self, streams: list[AsyncStream], raw_request: Request
                          ) -> list[RequestOutput] | None:

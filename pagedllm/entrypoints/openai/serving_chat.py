@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import AsyncStream
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, ChunkFormat, Prompt, ServingContext,
-                                                      abort_all, error_event, random_id, sse, usage)
-from pagedllm.entrypoints.openai.sse import SSEResponse
+                                                      error_event, random_id, sse, usage)
 from pagedllm.outputs import RequestOutput
 
 
@@ -47,17 +45,10 @@ class OpenAIServingChat:
         streams = await ctx.add_requests(request_id, [Prompt(text, ids)], [params],
                                          final_only=not req.stream, prompt_param="messages")
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
-        if req.stream:
-            chunk_head = {**head, "object": "chat.completion.chunk"}
-            return SSEResponse(self._stream(req, chunk_head, streams[0], n, top_k),
-                               on_close=partial(abort_all, streams))
-        try:
-            finals = await ctx.wait_final(streams, raw_request)
-        finally:
-            abort_all(streams)
-        if finals is None:  # the client is gone; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(self._response(head, finals[0], top_k))
+        events = (self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], n,
+                               top_k) if req.stream else None)
+        return await ctx.respond(streams, raw_request, events,
+                                 lambda finals: self._response(head, finals[0], top_k))
 
     def _response(self, head: dict[str, Any], out: RequestOutput, top_k: int | None
                   ) -> dict[str, Any]:

@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.logprobs import CompletionLogprobs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, ChunkFormat, Prompt, ServingContext,
-                                                      abort_all, error_event, merge_streams,
+                                                      error_event, merge_streams,
                                                       random_id, sse, usage)
-from pagedllm.entrypoints.openai.sse import SSEResponse
 from pagedllm.engine.async_engine import AsyncStream
 from pagedllm.outputs import RequestOutput
 
@@ -40,16 +38,9 @@ class OpenAIServingCompletion:
         request_id, created = random_id("cmpl"), int(time.time())
         streams = await ctx.add_requests(request_id, prompts, params, final_only=not req.stream)
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        if req.stream:
-            return SSEResponse(self._stream(req, head, prompts, streams, n),
-                               on_close=partial(abort_all, streams))
-        try:
-            finals = await ctx.wait_final(streams, raw_request)
-        finally:
-            abort_all(streams)
-        if finals is None:  # the client is gone; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(self._response(req, head, prompts, finals, n))
+        events = self._stream(req, head, prompts, streams, n) if req.stream else None
+        return await ctx.respond(streams, raw_request, events,
+                                 lambda finals: self._response(req, head, prompts, finals, n))
 
     def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         ctx, value = self.ctx, req.prompt
