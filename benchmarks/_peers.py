@@ -166,25 +166,11 @@ def run_gemm(spec: Spec) -> Result:
         sizes[name] = n
     result = dict(version=torch.__version__, device=device, gemm_size=sizes,
                   gemm_gflops=rates, threads=torch.get_num_threads())
-    if device == "cuda":
-        result["copy_gbps"] = _copy_gbps(torch)
+    if device == "cuda":  # the decode kernel check's copy probe (this folder is on sys.path)
+        from gpu_kernel_check import copy_bandwidth
+
+        result["copy_gbps"] = copy_bandwidth(repeats=10) / 1e9
     return result
-
-
-def _copy_gbps(torch: Any) -> float:
-    """Device-to-device copy of 1 GiB, (read + write bytes) / best-of-10 time, in GB/s."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / best / 1e9
 
 
 RUNNERS: dict[str, Callable[[Spec], Result]] = {
