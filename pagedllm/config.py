@@ -144,6 +144,8 @@ class EngineConfig:
     device: str = "auto"  # resolved to a backend name
     enforce_eager: bool = False
     attention_backend: str | None = None  # a backend-specific attention implementation name
+    # schedule step N+1 while step N runs (backends with capabilities.async_output); True = never
+    disable_async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend is None:  # unset: $PAGEDLLM_ATTENTION_BACKEND, else the default

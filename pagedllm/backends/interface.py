@@ -36,10 +36,13 @@ class Capabilities:
     preferred_block_size: int = 16
     block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     max_tensor_parallel_size: int | None = None  # None: as many devices as the backend counts
+    # the worker's launch_model returns before the device finishes, so the engine schedules and
+    # launches step N+1 (inputs taken from step N's device-side draws) while step N runs
+    async_output: bool = False
 
     def summary(self) -> str:
         flags = [name for name in ("graphs", "swap", "static_shapes", "prefix_caching",
-                                   "chunked_prefill") if getattr(self, name)]
+                                   "chunked_prefill", "async_output") if getattr(self, name)]
         return f"{','.join(flags) or '-'}; dtypes={'/'.join(self.dtypes)}"
 
 

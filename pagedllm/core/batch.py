@@ -7,6 +7,11 @@ from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
+# In ScheduledSeq.token_ids: the token the previous step sampled for this sequence, not yet seen
+# by the host; the worker takes it from that step's device-side draws (Scheduler.schedule_ahead).
+PENDING_TOKEN = -1
+
+
 @dataclass
 class ScheduledSeq:
     """One sequence's share of a step: compute KV (and maybe sample) for ``token_ids``.

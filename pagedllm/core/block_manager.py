@@ -81,7 +81,8 @@ class BlockManager:
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             return
-        n_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # a step scheduled ahead counts its pending token as computed before it is appended
+        n_full = min(min(seq.num_computed_tokens, len(seq)) // self.block_size, len(table))
         start = self._registered.get(seq.seq_id, 0)
         if n_full <= start:
             return

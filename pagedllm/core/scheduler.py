@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
+from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -262,6 +262,60 @@ class Scheduler:
         entries.sort(key=lambda e: e[0])
         out.batch.seqs = [e[1] for e in entries]
         out.entries = [(e[2], e[3]) for e in entries]
+
+    # --- scheduling ahead of the device ---------------------------------------------------
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``prev`` while ``prev`` still runs: each sequence ``prev`` samples for
+        decodes its pending token (PENDING_TOKEN; the worker takes it from prev's draws).
+
+        None when the plain ``schedule()`` after prev's outputs could decide differently: requests
+        waiting or swapped that could be admitted, running requests prev did not sample, a
+        request whose next step needs prev's tokens on the host (penalties, best_of forks,
+        prompt logprobs) or has a deadline, or too few free blocks (that would preempt).
+        Sequences that prev's token finishes by length are left out; one that stops on a sampled
+        token (EOS, stop string) computes one wasted token, dropped when its output is applied.
+        """
+        if self.swapped:
+            return None
+        sampled = {e.seq_id for e in prev.batch.seqs if e.num_samples > 0}
+        chunks: list[tuple[SequenceGroup, Sequence]] = []
+        ending = 0
+        for group in self.running:
+            params = group.sampling_params
+            if (group.deadline is not None or (params.best_of > 1 and not group.forked)
+                    or group.wants_prompt_logprobs() or params.presence_penalty != 0.0
+                    or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0):
+                return None
+            for seq in group.unfinished_seqs():
+                if seq.seq_id not in sampled or seq.num_computed_tokens != len(seq):
+                    return None
+                outputs = seq.num_output_tokens + 1  # once prev's token is appended
+                if ((params.max_tokens is not None and outputs >= params.max_tokens)
+                        or len(seq) + 1 >= self.config.max_model_len):
+                    ending += 1
+                else:
+                    chunks.append((group, seq))
+        if not chunks or (ending and self.waiting) or (
+                self.waiting and self._running_seqs() < self.config.max_num_seqs):
+            return None
+        if not self.block_manager.can_append((seq, 1) for _, seq in chunks):
+            return None
+        out = SchedulerOutput(batch=ScheduledBatch())
+        for group, seq in chunks:
+            out.batch.blocks_to_copy.extend(self.block_manager.append_slots(seq, 1))
+            out.batch.seqs.append(ScheduledSeq(
+                seq_id=seq.seq_id, token_ids=[PENDING_TOKEN], start_pos=seq.num_computed_tokens,
+                block_table=self.block_manager.block_tables[seq.seq_id],
+                sampling_params=group.sampling_params, num_samples=1, seq_index=seq.index,
+                prompt_len=seq.prompt_len))
+            out.entries.append((group, seq))
+            seq.num_computed_tokens += 1  # one past len(seq) until prev's token is appended
+        out.batch.finished_seq_ids = self._finished_seq_ids
+        self._finished_seq_ids = []
+        return out
+
+    def _running_seqs(self) -> int:
+        return sum(g.num_unfinished_seqs() for g in self.running)
 
     def after_step(self, out: SchedulerOutput) -> None:
         """The step's KV is written: full blocks may now serve as prefix-cache hits."""

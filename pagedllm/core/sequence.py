@@ -38,7 +38,9 @@ class Sequence:
 
     Invariant: ``num_computed_tokens <= len(self)``; the KV of tokens ``[0, num_computed_tokens)``
     is in this sequence's blocks. A running sequence that is decoding has exactly one uncomputed
-    token (the last sampled one).
+    token (the last sampled one). Exception: while a step scheduled ahead (Scheduler.schedule_ahead)
+    is in flight and the previous step's token is not yet appended, ``num_computed_tokens`` is
+    ``len(self) + 1``; appending that token restores the invariant.
     """
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:

@@ -37,6 +37,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
+    disable_async_output_proc: bool = False
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -82,7 +83,8 @@ class EngineArgs:
                                   distributed_executor_backend=self.distributed_executor_backend)
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel,
                             device=self.device, enforce_eager=self.enforce_eager,
-                            attention_backend=self.attention_backend)
+                            attention_backend=self.attention_backend,
+                            disable_async_output_proc=self.disable_async_output_proc)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -10,7 +10,7 @@ from typing import Any
 from pagedllm.backends.registry import resolve_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
@@ -18,6 +18,7 @@ from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.base import make_executor
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.worker.pending import PendingOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
         self._error: BaseException | None = None
+        # schedule step N+1 while step N runs on the device (see Scheduler.schedule_ahead)
+        self._ahead = (self.backend.capabilities.async_output and self.executor.supports_async
+                       and not config.disable_async_output_proc)
+        self._inflight: tuple[SchedulerOutput, PendingOutputs] | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous one's outputs were read
         logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d",
                     self.backend.name, config.model.dtype, num_device, num_host,
                     config.cache.block_size)
@@ -143,17 +149,36 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Process one step's outputs. With ``_ahead``, the next step is launched before this
+        one's outputs are read, so the device never waits for this Python work."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed earlier and cannot continue: {self._error}")
-        sched = self.scheduler.schedule()
-        try:
-            outputs = [] if sched.batch.is_empty() else self.executor.execute(sched.batch)
-        except BaseException as exc:
-            # the scheduler already counted this step's tokens as computed: state is unusable
-            self._error = exc
-            raise
+        if self._inflight is not None:
+            (sched, pending), self._inflight = self._inflight, None
+        else:
+            sched = self.scheduler.schedule()
+            pending = None if sched.batch.is_empty() else self._launch(sched)
+        if pending is not None and self._ahead:
+            ahead = self.scheduler.schedule_ahead(sched)
+            if ahead is not None:
+                self._inflight = (ahead, self._launch(ahead))
+                self.num_steps_ahead += 1
+        outputs = [] if pending is None else self._guard(pending.result)
         self.scheduler.after_step(sched)
         return self._process(sched, outputs)
+
+    def _launch(self, sched: SchedulerOutput) -> PendingOutputs:
+        if self._ahead:
+            return self._guard(lambda: self.executor.execute_async(sched.batch))
+        return PendingOutputs(self._guard(lambda: self.executor.execute(sched.batch)))
+
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except BaseException as exc:
+            # the scheduler already counted the step's tokens as computed: state is unusable
+            self._error = exc
+            raise
 
     def _process(self, sched: Any, outputs: list) -> list[RequestOutput]:
         touched = self.output_processor.apply(sched, outputs, self._fork)
@@ -175,7 +200,8 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+        return (self.scheduler.has_unfinished() or bool(self._pending_outputs)
+                or self._inflight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.worker.pending import PendingOutputs
 
 
 class Executor(ABC):
@@ -22,6 +23,13 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]: ...
+
+    # Whether execute_async returns before the device finishes (then the engine schedules the
+    # next step while this one runs); the default below runs the step to completion.
+    supports_async = False
+
+    def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
+        return PendingOutputs(self.execute(batch))
 
     def check_health(self) -> None:
         """Raise if a worker is gone."""

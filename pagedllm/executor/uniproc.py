@@ -1,10 +1,15 @@
 """One worker in the engine's own process (tensor_parallel_size == 1)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.executor.base import Executor
+
+if TYPE_CHECKING:
+    from pagedllm.worker.pending import PendingOutputs
 
 
 class UniProcExecutor(Executor):
@@ -21,5 +26,10 @@ class UniProcExecutor(Executor):
     def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         self.worker.init_cache(num_device_blocks, num_host_blocks)
 
+    supports_async = True
+
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
         return self.worker.execute(batch) or []
+
+    def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
+        return self.worker.execute_async(batch)

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
-from pagedllm.core.batch import ScheduledBatch, ScheduledSeq, SeqOutput
+from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
+from pagedllm.worker.host_copy import to_device
+from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.sampler import Sampler, SampleRow
 
 
@@ -50,7 +52,7 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     slots += [-1] * pad
 
     def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
+        return to_device(x, device, dtype)
 
     q_lens = [s.num_tokens for s in prefills]
     q_start = [0]
@@ -113,19 +115,39 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        # the last sampled step's draws [num_draws] on the device, and seq_id -> its draw
+        self._last_draws: tuple[torch.Tensor, dict[int, int]] | None = None
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         input_ids, positions, meta = build_metadata(batch.seqs, self.block_size, self.device)
         rows, sample_rows, prompt_rows = select_logit_rows(batch.seqs)
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            input_ids=self._input_ids(batch, input_ids),
+            positions=to_device(positions, self.device, torch.int64),
             metadata=meta,
-            logit_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            logit_rows=to_device(rows, self.device, torch.int64),
             sample_rows=sample_rows,
             prompt_rows=prompt_rows,
             num_real_tokens=len(input_ids),
         )
+
+    def _input_ids(self, batch: ScheduledBatch, input_ids: list[int]) -> torch.Tensor:
+        """[num_tokens] int64 on the device; PENDING_TOKEN entries (a decode's input that the
+        previous step sampled) are taken from that step's device-side draws."""
+        ids = to_device(input_ids, self.device, torch.int64)
+        if PENDING_TOKEN not in input_ids:
+            return ids
+        if self._last_draws is None:
+            raise RuntimeError("a scheduled token is pending but no step was sampled before it")
+        draws, row_of = self._last_draws
+        try:
+            rows = [row_of[s.seq_id] if s.token_ids[0] == PENDING_TOKEN else 0 for s in batch.seqs
+                    for _ in range(s.num_tokens)]
+        except KeyError as exc:
+            raise RuntimeError(f"sequence {exc} has a pending token that the previous step did "
+                               f"not sample") from None
+        from_draws = draws[to_device(rows, self.device, torch.int64)]
+        return torch.where(ids == PENDING_TOKEN, from_draws, ids)
 
     def forward(self, inp: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] float32."""
@@ -133,24 +155,38 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.logit_rows])
 
     def sample(self, batch: ScheduledBatch, inp: ModelInput, logits: torch.Tensor) -> list[SeqOutput]:
+        return self.sample_async(batch, inp, logits).result()
+
+    def sample_async(self, batch: ScheduledBatch, inp: ModelInput,
+                     logits: torch.Tensor) -> PendingOutputs:
+        """Queues sampling; remembers the device-side draws for a next step's pending inputs."""
         outputs = [SeqOutput(s.seq_id, []) for s in batch.seqs]
         n_sample = len(inp.sample_rows)
+        pending = None
         if n_sample:
-            samples = self.sampler(logits[:n_sample], [r for _, r in inp.sample_rows])
-            for (i, _), got in zip(inp.sample_rows, samples):
-                outputs[i].samples = got
+            pending = self.sampler.sample_async(logits[:n_sample], [r for _, r in inp.sample_rows])
+            row_of: dict[int, int] = {}
+            draw = 0
+            for i, r in inp.sample_rows:  # a sequence's first draw continues it
+                row_of[batch.seqs[i].seq_id] = draw
+                draw += r.num_samples
+            self._last_draws = (pending.tokens, row_of)
         row = n_sample
         for i, n, targets in inp.prompt_rows:
             k = batch.seqs[i].sampling_params.prompt_logprobs or 0
             outputs[i].prompt_logprobs = prompt_logprobs(logits[row:row + n], targets, k)
             row += n
-        return outputs
+        return PendingOutputs(outputs, [i for i, _ in inp.sample_rows], pending)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:
+        return self.execute_async(batch, kv_caches).result()
+
+    @torch.inference_mode()
+    def execute_async(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> PendingOutputs:
         inp = self.prepare(batch)
         logits = self.forward(inp, kv_caches)
-        return self.sample(batch, inp, logits)
+        return self.sample_async(batch, inp, logits)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.core.batch import Sample
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.worker.host_copy import to_device
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 _MASK = float("-inf")
@@ -72,9 +73,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     counts = torch.zeros((len(idx), vocab + 1), device=device)
     counts.scatter_add_(1, hist, out_mask)
     seen, counts = seen[:, :vocab] > 0, counts[:, :vocab]
-    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
-    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
-    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
+    rep = to_device([rows[i].params.repetition_penalty for i in idx], device)[:, None]
+    freq = to_device([rows[i].params.frequency_penalty for i in idx], device)[:, None]
+    pres = to_device([rows[i].params.presence_penalty for i in idx], device)[:, None]
     sub = logits[idx]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalized, sub)
@@ -95,8 +96,8 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> tor
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
-        p = torch.tensor(top_p, device=device, dtype=logits.dtype)
+        k = to_device([k if k > 0 else vocab for k in top_k], device)
+        p = to_device(top_p, device, logits.dtype)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         probs = sorted_logits.softmax(dim=-1)
@@ -107,31 +108,63 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SampleRow]) -> tor
     min_p = [r.params.min_p for r in rows]
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = to_device(min_p, device)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, _MASK)
     return logits
 
 
-def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows_k: list[int | None]
-                  ) -> list[PositionLogprobs | None]:
-    """For rows asking for k logprobs: {token: logprob} of the top k plus the chosen token."""
-    result: list[PositionLogprobs | None] = [None] * len(rows_k)
+def _top_logprobs_device(logprobs: torch.Tensor, rows_k: list[int | None]
+                         ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """The rows asking for logprobs (``want``) and their top ``max k`` (values, ids), on the
+    device; (want, None, None) when no row asks for more than the chosen token's."""
     want = [i for i, k in enumerate(rows_k) if k is not None]
-    if not want:
-        return result
-    kmax = max(rows_k[i] for i in want)  # type: ignore[type-var]
-    top_vals, top_ids = (logprobs[want].topk(kmax, dim=-1) if kmax > 0 else (None, None))
-    chosen = logprobs[want].gather(1, tokens[want][:, None]).squeeze(1).tolist()
-    tok = tokens[want].tolist()
-    vals = top_vals.tolist() if top_vals is not None else None
-    ids = top_ids.tolist() if top_ids is not None else None
-    for j, i in enumerate(want):
-        entry = {tok[j]: chosen[j]}
-        if vals is not None:
-            for t, v in zip(ids[j][: rows_k[i]], vals[j][: rows_k[i]]):
-                entry.setdefault(t, v)
-        result[i] = entry
-    return result
+    kmax = max((rows_k[i] for i in want), default=0)  # type: ignore[type-var]
+    if kmax == 0:
+        return want, None, None
+    vals, ids = logprobs[to_device(want, logprobs.device)].topk(kmax, dim=-1)
+    return want, vals, ids
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy on the host that may still be in flight (pinned, for devices that copy async)."""
+    return None if t is None else t.to("cpu", non_blocking=True)
+
+
+class PendingSamples:
+    """A step's draws on their way to the host. ``tokens`` stays on the device (a next step may
+    take its inputs from it); ``result()`` waits for the host copies and builds the Samples."""
+
+    def __init__(self, tokens: torch.Tensor, chosen_lp: torch.Tensor, src: list[int],
+                 rows_k: list[int | None], top: tuple) -> None:
+        self.tokens = tokens  # [num_draws] int64 on the device
+        self.src = src  # draw -> row of the logits it came from
+        self.rows_k = rows_k
+        self.want, top_vals, top_ids = top
+        self._host = [_to_host(t) for t in (tokens, chosen_lp, top_vals, top_ids)]
+        self._event: torch.Event | None = None
+        if tokens.device.type != "cpu":  # the copies above are queued behind the step's work
+            try:
+                self._event = torch.Event(device=tokens.device)
+                self._event.record()
+            except RuntimeError:  # no event support: .tolist() in result() waits instead
+                self._event = None
+
+    def result(self, num_rows: int) -> list[list[Sample]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, chosen, top_vals, top_ids = (None if t is None else t.tolist() for t in self._host)
+        tops: list[PositionLogprobs | None] = [None] * len(self.rows_k)
+        for j, i in enumerate(self.want):
+            entry = {tokens[i]: chosen[i]}
+            k = self.rows_k[i]
+            if top_vals is not None and k:
+                for t, v in zip(top_ids[j][:k], top_vals[j][:k]):
+                    entry.setdefault(t, v)
+            tops[i] = entry
+        out: list[list[Sample]] = [[] for _ in range(num_rows)]
+        for e, i in enumerate(self.src):
+            out[i].append(Sample(tokens[e], chosen[e], tops[e]))
+        return out
 
 
 class Sampler:
@@ -141,6 +174,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         """``logits`` [len(rows), vocab] float32 -> for each row its ``num_samples`` samples."""
+        return self.sample_async(logits, rows).result(len(rows))
+
+    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSamples:
+        """Queues the draws for ``rows``; nothing here waits for the device."""
         expanded: list[SampleRow] = []
         src: list[int] = []
         for i, r in enumerate(rows):
@@ -153,20 +190,17 @@ class Sampler:
                                           r.prompt_len))
                 src.append(i)
         if len(expanded) != len(rows):
-            logits = logits[torch.tensor(src, device=logits.device)]
+            logits = logits[to_device(src, logits.device)]
         logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.history is not None or r.output_len < r.params.min_tokens for r in expanded):
             logits = logits.clone()  # the edits below are in place; the caller's logits stay
             _apply_penalties(logits, expanded)
             _apply_min_tokens(logits, expanded)
         tokens = self._choose(logits, expanded)
-        chosen_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        tops = _top_logprobs(logprobs, tokens, [r.params.logprobs for r in expanded])
-        token_list = tokens.tolist()
-        out: list[list[Sample]] = [[] for _ in rows]
-        for e, i in enumerate(src):
-            out[i].append(Sample(token_list[e], chosen_lp[e], tops[e]))
-        return out
+        chosen_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        rows_k = [r.params.logprobs for r in expanded]
+        return PendingSamples(tokens, chosen_lp, src, rows_k,
+                              _top_logprobs_device(logprobs, rows_k))
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         greedy = [r.params.sampling_type == SamplingType.GREEDY for r in rows]
@@ -175,16 +209,16 @@ class Sampler:
         if not rand:
             return tokens
         sub_rows = [rows[i] for i in rand]
-        idx = torch.tensor(rand, device=logits.device)
-        temps = torch.tensor([r.params.temperature for r in sub_rows], device=logits.device)
+        idx = to_device(rand, logits.device)
+        temps = to_device([r.params.temperature for r in sub_rows], logits.device)
         sub = _apply_top_k_top_p_min_p(logits[idx] / temps[:, None], sub_rows)
         probs = sub.softmax(dim=-1)
         # exponential race: argmax(p / q) with q ~ Exp(1) draws from p
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.params.seed is None]
         if unseeded:
-            q[unseeded] = _exponential((len(unseeded), probs.shape[1]), self.generator,
-                                       probs.device)
+            q[to_device(unseeded, probs.device)] = _exponential(
+                (len(unseeded), probs.shape[1]), self.generator, probs.device)
         for j, r in enumerate(sub_rows):
             if r.params.seed is not None:
                 gen = _seeded_generator(r.params.seed, r.seq_index, r.output_len, probs.device)

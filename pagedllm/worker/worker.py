@@ -20,6 +20,7 @@ from pagedllm.models.layers.ops import Ops
 from pagedllm.models.loader import load_model
 from pagedllm.worker.host_memory import lazy_zeros
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.pending import PendingOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class Worker:
     def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
         assert self.runner is not None
         return self.runner.execute(batch, self.kv_caches)
+
+    def launch_model(self, batch: ScheduledBatch) -> PendingOutputs:
+        """Queue the step on the device and return without waiting for it (backends with
+        ``capabilities.async_output``); this default runs it to completion."""
+        return PendingOutputs(self.run_model(batch))
 
     # --- lifecycle -----------------------------------------------------------------------
     def load_model(self) -> None:
@@ -151,6 +157,19 @@ class Worker:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
         """Apply the batch's block moves, then run the model; only rank 0 returns samples."""
+        self._move_blocks(batch)
+        if not batch.seqs:
+            return []
+        outputs = self.run_model(batch)
+        return outputs if self.rank == 0 else None
+
+    @torch.inference_mode()
+    def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
+        """``execute`` whose outputs resolve later: the device may still be running the step."""
+        self._move_blocks(batch)
+        return self.launch_model(batch) if batch.seqs else PendingOutputs([])
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
         ops = self.cache_ops
         if batch.blocks_to_swap_out:
             ops.swap_blocks(self.kv_caches, self._host(),
@@ -161,7 +180,3 @@ class Worker:
         if batch.blocks_to_copy:
             ops.copy_blocks(self.kv_caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
                                                          device=self.device))
-        if not batch.seqs:
-            return []
-        outputs = self.run_model(batch)
-        return outputs if self.rank == 0 else None
