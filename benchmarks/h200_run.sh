@@ -5,6 +5,9 @@
 #   bash benchmarks/h200_run.sh kernel       # decode kernel vs copy bandwidth
 #   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
+#   bash benchmarks/h200_run.sh conformance  # the porting kit's suite with --device cuda
+#   bash benchmarks/h200_run.sh profile      # ms per decode step at batch 256 and 1, with and
+#                                            # without steps scheduled ahead, + GPU kernel table
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
@@ -30,7 +33,7 @@ model() {
     --dtype bfloat16
 }
 
-case "${1:?stage: tests|kernel|throughput|latency}" in
+case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
   tests)
     env_report
     /usr/bin/time -f "kernel build %e s" python -c \
@@ -52,6 +55,19 @@ case "${1:?stage: tests|kernel|throughput|latency}" in
     model
     "${BENCH[@]}" --num-prompts 1 --hf-batch-size 1 --warmup-prompts 1 \
       --log-dir "$OUT/latency" --output-json "$OUT/latency.json" "${@:2}" 2>&1 | tail -14
+    ;;
+  conformance)
+    timeout 400 python -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin \
+      --pyargs pagedllm.testing --device cuda 2>&1 | tee "$OUT/conformance.log" | tail -6
+    ;;
+  profile)
+    model
+    for flag in "" --disable-async-output-proc; do
+      python benchmarks/profile_decode.py --model "$MODEL" --load-format dummy --device cuda \
+        --dtype bfloat16 --batch 256 --batch 1 --steps 20 $flag "${@:2}" \
+        > "$OUT/profile${flag:+-plain}.log" 2>&1
+      grep "ms per" "$OUT/profile${flag:+-plain}.log"
+    done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, RequestOutputKind, SamplingParams
 
 
 def main() -> None:
@@ -28,14 +28,19 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpu-table", action="store_true")
+    p.add_argument("--disable-async-output-proc", action="store_true",
+                   help="wait for each step before scheduling the next (the engine's plain path)")
     args = p.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-              max_num_seqs=max(args.batch or [256]))
+              max_num_seqs=max(args.batch or [256]),
+              disable_async_output_proc=args.disable_async_output_proc)
     engine = llm.llm_engine
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rng = random.Random(0)
     vocab = min(4000, engine.config.model.get_vocab_size())
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 3 + 10, ignore_eos=True)
+    # like LLM.generate: outputs only when a request finishes
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 3 + 10, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
 
     def timed(k: int) -> float:
         sync()

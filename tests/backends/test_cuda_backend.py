@@ -53,15 +53,18 @@ def hf_greedy(path: str, ps: list[list[int]], dtype: torch.dtype, n: int) -> lis
                 .tolist() for p in ps]
 
 
-def run(path: str, n: int, **kw: object) -> tuple[dict, list[list[int]]]:
+def run(path: str, n: int, ps: list[list[int]] | None = None,
+        **kw: object) -> tuple[dict, list[list[int]]]:
     """Greedy ids, and facts about the engine; the engine is gone when this returns (each one
     sizes its KV cache from what the GPU has free, so two must not be alive at once)."""
     llm = LLM(path, device=DEVICE, gpu_memory_utilization=0.3, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps or prompts()],
                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
+    graphs = getattr(engine.executor.worker, "graphs", None)
     facts = dict(stats=engine.stats(), attention_backend=engine.config.attention_backend,
-                 graphs=getattr(engine.executor.worker, "graphs", None) is not None)
+                 graphs=graphs is not None, steps_ahead=engine.num_steps_ahead,
+                 graph_contexts=graphs.context_lens if graphs is not None else None)
     del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -88,6 +91,22 @@ def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
     facts, graphs = run(path, 40, dtype=dtype, enforce_eager=False, max_num_seqs=16)
     assert facts["graphs"]
     assert graphs == eager
+
+
+def test_long_contexts_and_steps_ahead_match_eager(checkpoint_factory) -> None:
+    """Contexts crossing the decode kernel's 512-token partition (both captured context buckets),
+    and steps scheduled ahead of the device (the default here) vs each step waiting."""
+    path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=2,
+                             max_position_embeddings=1024)
+    rng = random.Random(2)
+    ps = [[rng.randint(3, 258) for _ in range(n)] for n in (495, 12, 600, 300, 508)]
+    kw = dict(dtype="bfloat16", max_num_seqs=8)
+    _, eager = run(path, 30, ps, enforce_eager=True, disable_async_output_proc=True, **kw)
+    facts, graphs = run(path, 30, ps, **kw)
+    assert facts["graph_contexts"] == [512, 1024] and facts["steps_ahead"] > 10
+    assert graphs == eager
+    _, waiting = run(path, 30, ps, disable_async_output_proc=True, **kw)
+    assert waiting == graphs
 
 
 def test_unsupported_head_size_falls_back_to_torch_attention(checkpoint_factory) -> None:

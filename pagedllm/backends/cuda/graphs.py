@@ -23,20 +23,32 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def context_buckets(max_model_len: int, partition_size: int | None) -> list[int]:
+    """Context lengths graphs are captured for. The decode kernel launches one thread block per
+    ``partition_size`` tokens of the captured length and then a reduce pass; a graph for contexts
+    up to one partition launches neither the idle blocks nor the reduce."""
+    if partition_size is None or partition_size >= max_model_len:
+        return [max_model_len]
+    return [partition_size, max_model_len]
+
+
 class DecodeGraphs:
     """Captured ``model -> logits`` for decode-only batches.
 
     Static buffers hold the largest batch; a batch of B sequences runs the graph captured for the
-    smallest size >= B, with the extra rows padded (slot -1, so nothing is written; context 1).
+    smallest size >= B, with the extra rows padded (slot -1, so nothing is written; context 1),
+    and for the smallest context bucket >= its longest sequence.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 max_model_len: int, sizes: list[int], device: torch.device) -> None:
+                 max_model_len: int, sizes: list[int], device: torch.device,
+                 context_lens: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = sizes
+        self.context_lens = context_lens or [max_model_len]
         max_b = sizes[-1]
         width = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_b, dtype=torch.int64, device=device)
@@ -44,10 +56,10 @@ class DecodeGraphs:
         self.slots = torch.full((max_b,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_b, width), dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch, context bucket)
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _metadata(self, b: int) -> AttentionMetadata:
+    def _metadata(self, b: int, max_len: int) -> AttentionMetadata:
         empty = self.seq_lens[:0]
         return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=b,
@@ -56,32 +68,36 @@ class DecodeGraphs:
             prefill_seq_lens=empty, prefill_context_lens=empty,
             prefill_block_tables=self.block_tables[:0], max_prefill_query_len=0,
             max_prefill_seq_len=0, decode_seq_lens=self.seq_lens[:b],
-            decode_block_tables=self.block_tables[:b], max_decode_seq_len=self.max_model_len,
-            extras={"graph_max_seq_len": self.max_model_len})
+            decode_block_tables=self.block_tables[:b], max_decode_seq_len=max_len,
+            extras={"graph_max_seq_len": max_len})
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._metadata(b))
+    def _forward(self, b: int, max_len: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
+                            self._metadata(b, max_len))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
+        # largest first, so smaller graphs reuse its pool
+        for key in sorted(((b, n) for b in self.sizes for n in self.context_lens), reverse=True):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(b)
+                    self._forward(*key)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.logits[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode graphs for batch sizes %s", self.sizes)
+        logger.info("captured decode graphs for batch sizes %s x contexts up to %s", self.sizes,
+                    self.context_lens)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (0 < len(batch.seqs) <= self.sizes[-1]
+                and max(s.seq_len for s in batch.seqs) <= self.context_lens[-1]
                 and all(s.num_tokens == 1 and s.num_samples >= 1 and not s.prompt_logprob_targets
                         for s in batch.seqs))
 
@@ -99,5 +115,6 @@ class DecodeGraphs:
         if size > b:
             self.slots[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        max_len = self.context_lens[bisect.bisect_left(self.context_lens, meta.max_decode_seq_len)]
+        self.graphs[size, max_len].replay()
+        return self.logits[size, max_len][:b]

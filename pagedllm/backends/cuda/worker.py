@@ -5,8 +5,10 @@ import logging
 
 import torch
 
-from pagedllm.backends.cuda.graphs import DecodeGraphs, graph_batch_sizes
+from pagedllm.backends.cuda.attention import CudaPagedAttention
+from pagedllm.backends.cuda.graphs import DecodeGraphs, context_buckets, graph_batch_sizes
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -43,14 +45,23 @@ class CudaWorker(Worker):
             return
         assert self.model is not None
         sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        max_len = self.config.model.max_model_len
+        partition = None
+        if self.attn_cls is CudaPagedAttention:  # the csrc/ decode kernel partitions contexts
+            from pagedllm.backends.cuda.ops import load_kernels
+
+            partition = int(load_kernels().PARTITION_SIZE)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
-                                   self.config.model.max_model_len, sizes, self.device)
+                                   max_len, sizes, self.device, context_buckets(max_len, partition))
         self.graphs.capture()
 
     def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        return self.launch_model(batch).result()
+
+    @torch.inference_mode()
+    def launch_model(self, batch: ScheduledBatch) -> PendingOutputs:
         assert self.runner is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             inp = self.runner.prepare(batch)
-            logits = self.graphs.run(inp)
-            return self.runner.sample(batch, inp, logits)
-        return self.runner.execute(batch, self.kv_caches)
+            return self.runner.sample_async(batch, inp, self.graphs.run(inp))
+        return self.runner.execute_async(batch, self.kv_caches)
