@@ -86,6 +86,28 @@ PL_DEVICE float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
 PL_DEVICE float pl_uint_as_float(uint32_t bits) { return __uint_as_float(bits); }
 PL_DEVICE uint32_t pl_float_as_uint(float value) { return __float_as_uint(value); }
 
+// One IEEE multiply / add, never fused into an FMA with a neighbouring operation, so that a torch
+// reference made of separate rounded ops is reproduced bit for bit. HIP's __fmul_rn / __fadd_rn are
+// plain operators that clang contracts (hipcc compiles with -ffp-contract=fast-honor-pragmas), so
+// the HIP twins switch contraction off for their one operation.
+PL_DEVICE float pl_fmul_rn(float a, float b) {
+#if defined(USE_ROCM)
+  #pragma clang fp contract(off)
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
+PL_DEVICE float pl_fadd_rn(float a, float b) {
+#if defined(USE_ROCM)
+  #pragma clang fp contract(off)
+  return a + b;
+#else
+  return __fadd_rn(a, b);
+#endif
+}
+
 #endif  // __CUDACC__ || __HIPCC__
 
 // Kernel launches go through this one helper so the launch syntax lives in a single place.

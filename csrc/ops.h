@@ -1,5 +1,6 @@
-// Torch-free launcher API of the pagedllm kernels. Implemented in paged_attention.cu and
-// cache_kernels.cu; called from torch_bindings.cpp (the only file that knows about torch).
+// Torch-free launcher API of the pagedllm kernels. Implemented in paged_attention.cu,
+// cache_kernels.cu and layer_kernels.cu; called from torch_bindings.cpp (the only file that knows
+// about torch).
 //
 // Conventions: pointers are raw device pointers (host pointers where stated), strides are in
 // ELEMENTS of the tensor's dtype, the last dimension of every tensor is contiguous, and every
@@ -136,5 +137,59 @@ cudaError_t launch_swap_blocks(const void* src, void* dst, int64_t src_block_str
                                int64_t dst_block_stride_bytes, int64_t block_bytes,
                                const int64_t* block_mapping, int64_t num_pairs, cudaMemcpyKind kind,
                                cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Fused elementwise layer ops (layer_kernels.cu). float16/bfloat16 results are bit-identical to the
+// torch reference ops of pagedllm/models/layers/ops.py except where a float32 reduction or exp
+// rounds differently (see layer_kernels.cu); every launcher accepts num_tokens == 0.
+// ---------------------------------------------------------------------------------------------
+
+struct RmsNormArgs {
+  ScalarType dtype;               // of every tensor
+  void* out;                      // [num_tokens, hidden_size], contiguous
+  void* residual_out;             // [num_tokens, hidden_size], contiguous; only with residual
+  const void* x;                  // [num_tokens, hidden_size]
+  int64_t x_stride;
+  const void* residual;           // [num_tokens, hidden_size], or nullptr: h = x
+  int64_t residual_stride;
+  const void* weight;             // [hidden_size]
+  int num_tokens;
+  int hidden_size;
+  float eps;
+};
+
+// h = x + residual (rounded to the dtype; written to residual_out), then
+// out = weight * round(h * rsqrt(mean(h^2) + eps)), the mean taken in float32.
+cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
+
+struct RotaryArgs {
+  ScalarType dtype;               // of every tensor
+  void* out;                      // [num_tokens, num_heads, head_size], contiguous
+  const void* x;                  // [num_tokens, num_heads, head_size]
+  int64_t x_token_stride;
+  int64_t x_head_stride;
+  const void* cos;                // [num_tokens, head_size]
+  int64_t cos_stride;
+  const void* sin;                // [num_tokens, head_size]
+  int64_t sin_stride;
+  int num_tokens;
+  int num_heads;
+  int head_size;                  // even
+};
+
+// Neox-style rotary embedding: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
+cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
+
+struct SiluAndMulArgs {
+  ScalarType dtype;               // of both tensors
+  void* out;                      // [num_tokens, intermediate_size], contiguous
+  const void* x;                  // [num_tokens, 2 * intermediate_size]: gate, then up
+  int64_t x_stride;
+  int num_tokens;
+  int intermediate_size;
+};
+
+// out = round(silu(gate)) * up, silu(g) = g / (1 + exp(-g)).
+cudaError_t launch_silu_and_mul(const SiluAndMulArgs& args, cudaStream_t stream);
 
 }  // namespace pagedllm

@@ -21,7 +21,8 @@ import torch
 _HERE = Path(__file__).resolve().parent
 _EMU_DIR = _HERE / "simt_emu"
 _CSRC = _HERE.parents[1] / "csrc"
-_UNITS = (_CSRC / "paged_attention.cu", _CSRC / "cache_kernels.cu", _EMU_DIR / "emu_entry.cpp")
+_UNITS = (_CSRC / "paged_attention.cu", _CSRC / "cache_kernels.cu", _CSRC / "layer_kernels.cu",
+          _EMU_DIR / "emu_entry.cpp")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 PARTITION_SIZE = 512  # csrc/ops.h kPartitionSize
 _lib: ctypes.CDLL | None = None
@@ -50,7 +51,7 @@ def _build() -> ctypes.CDLL:
             subprocess.run(flags + [str(src), "-o", str(obj)], check=True, capture_output=True, text=True)
             return obj
 
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=len(_UNITS)) as pool:
             objs = list(pool.map(compile_unit, _UNITS))
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         subprocess.run(["g++", "-shared", "-o", str(tmp)] + [str(o) for o in objs], check=True)
@@ -158,3 +159,49 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         _ptr(mapping), *_i64(mapping.shape[0]),
     )
     _check(lib, rc, "swap_blocks")
+
+
+# ---- layer ops: outputs are allocated here (as the binding does), poisoned with NaN -------------
+
+
+def _nan(*shape: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=like.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _load()
+    num_tokens, hidden = x.shape
+    out = _nan(num_tokens, hidden, like=x)
+    new_residual = _nan(num_tokens, hidden, like=x) if residual is not None else x
+    with_residual = residual is not None
+    rc = lib.emu_rms_norm(
+        ctypes.c_int(_DTYPES[x.dtype]), _ptr(out), _ptr(new_residual if with_residual else None),
+        _ptr(x), *_i64(x.stride(0)), _ptr(residual), *_i64(residual.stride(0) if with_residual else 0),
+        _ptr(weight), ctypes.c_int(num_tokens), ctypes.c_int(hidden), ctypes.c_float(eps),
+    )
+    _check(lib, rc, "rms_norm")
+    return out, new_residual
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    lib = _load()
+    num_tokens, num_heads, head_size = x.shape
+    out = _nan(num_tokens, num_heads, head_size, like=x)
+    rc = lib.emu_rotary(
+        ctypes.c_int(_DTYPES[x.dtype]), _ptr(out), _ptr(x), *_i64(x.stride(0), x.stride(1)),
+        _ptr(cos), *_i64(cos.stride(0)), _ptr(sin), *_i64(sin.stride(0)),
+        ctypes.c_int(num_tokens), ctypes.c_int(num_heads), ctypes.c_int(head_size),
+    )
+    _check(lib, rc, "rotary")
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    lib = _load()
+    num_tokens, width = x.shape
+    out = _nan(num_tokens, width // 2, like=x)
+    rc = lib.emu_silu_and_mul(ctypes.c_int(_DTYPES[x.dtype]), _ptr(out), _ptr(x),
+                              *_i64(x.stride(0)), ctypes.c_int(num_tokens), ctypes.c_int(width // 2))
+    _check(lib, rc, "silu_and_mul")
+    return out

@@ -1,4 +1,4 @@
-"""The cuda backend: csrc/ paged-attention and cache kernels, CUDA graphs for decode."""
+"""The cuda backend: csrc/ paged-attention, cache and layer kernels, CUDA graphs for decode."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +9,7 @@ from pagedllm.backends.interface import Backend, Capabilities, CacheOps
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+    from pagedllm.models.layers.ops import Ops
     from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ class CudaBackend(Backend):
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32
+    # False once check_and_update_config sees attention_backend="torch": the run asked for no
+    # csrc/ kernels, so the model ops stay torch too
+    layer_kernels: bool = True
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -50,6 +54,9 @@ class CudaBackend(Backend):
         super().check_and_update_config(config)
         from pagedllm.backends.cuda.checks import HEAD_SIZES
 
+        # decided before the head-size fallback below: the layer kernels take any head size
+        self.layer_kernels = config.attention_backend != "torch"
+
         head_size = config.model.get_head_size()
         if head_size in HEAD_SIZES or config.attention_backend == "torch":
             return
@@ -74,6 +81,23 @@ class CudaBackend(Backend):
             return TorchPagedAttention
         raise ValueError(f"attention_backend={choice!r} is not available on {self.name}; "
                          "allowed: kernels, torch")
+
+    def register_ops(self, ops: Ops) -> None:
+        """rms_norm, rotary and silu_and_mul on the csrc/ layer kernels for float16/bfloat16
+        (float32 keeps the torch reference, which matches transformers exactly). Without the
+        kernels (attention_backend="torch", or they cannot be loaded) the torch references stay."""
+        if not self.layer_kernels:
+            return
+        from pagedllm.backends.cuda import ops as kernel_ops
+        from pagedllm.backends.cuda.layer_ops import layer_ops
+
+        ok, reason = kernel_ops.kernels_available(build=True)
+        if not ok:
+            logger.warning("the csrc/ layer kernels are unavailable (%s); rms_norm, rotary and "
+                           "silu_and_mul run the torch reference ops", reason)
+            return
+        for name, fn in layer_ops(kernel_ops.load_kernels()).items():
+            ops.register(name, fn)
 
     def cache_ops(self) -> CacheOps:
         from pagedllm.backends.cuda.cache_ops import KernelCacheOps

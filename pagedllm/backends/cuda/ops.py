@@ -7,12 +7,15 @@ heavy: torch and the extension are loaded by the first call.
 
 KV-cache layout (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_size];
 key_cache = kv_cache[0], value_cache = kv_cache[1]; any layout with a contiguous last dim works.
+Layer ops (rms_norm, rotary, silu_and_mul) return new contiguous tensors; their inputs may be
+strided views with a contiguous last dim.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -230,3 +233,81 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if (src.device.type == "cuda") == (dst.device.type == "cuda"):
         raise KernelArgumentError("swap_blocks: exactly one of src and dst must be a CUDA tensor")
     load_kernels().swap_blocks(src, dst, block_mapping)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer ops (csrc/layer_kernels.cu): the model ops of pagedllm/models/layers/ops.py in one launch
+# each, with the reference's rounding points (bit-identical in float16/bfloat16 except rms_norm,
+# within one ulp of the dtype). The engine reaches them through layer_ops.py, which skips these
+# Python checks; the C++ binding checks again.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_input(x: torch.Tensor, shape_doc: str, dims: int) -> None:
+    from pagedllm.backends.cuda.checks import KernelArgumentError, check_float
+
+    if x.device.type != "cuda":
+        raise KernelArgumentError(f"x must be a CUDA tensor, got device {x.device}")
+    check_float(x, "x")
+    if x.dim() != dims:
+        raise KernelArgumentError(f"x must be {shape_doc}, got shape {list(x.shape)}")
+    if x.stride(-1) != 1:
+        raise KernelArgumentError(f"x must be contiguous in its last dimension, got strides "
+                                  f"{list(x.stride())}")
+
+
+def _check_operand(t: torch.Tensor, name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    from pagedllm.backends.cuda.checks import KernelArgumentError, check_device, check_float
+
+    check_device(t, name, x.device)
+    check_float(t, name, x.dtype)
+    if tuple(t.shape) != shape:
+        raise KernelArgumentError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.stride(-1) != 1:
+        raise KernelArgumentError(f"{name} must be contiguous in its last dimension")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for x [num_tokens, hidden_size], weight [hidden_size].
+
+    h = x + residual [num_tokens, hidden_size] rounded to the dtype (new_residual, a new tensor), or
+    x itself without residual; normed = weight * round(h * rsqrt(mean(h^2) + eps)).
+    """
+    from pagedllm.backends.cuda.checks import KernelArgumentError
+
+    _check_input(x, "[num_tokens, hidden_size]", 2)
+    _check_operand(weight, "weight", x, (x.shape[1],))
+    if residual is not None:
+        _check_operand(residual, "residual", x, tuple(x.shape))
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise KernelArgumentError(f"eps must be finite and >= 0, got {eps}")
+    return load_kernels().rms_norm(x, weight, float(eps), residual)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding of x [num_tokens, num_heads, head_size] (e.g. a view into the qkv
+    projection) with cos/sin [num_tokens, head_size]; returns a contiguous tensor of x's shape."""
+    from pagedllm.backends.cuda.checks import KernelArgumentError
+
+    _check_input(x, "[num_tokens, num_heads, head_size]", 3)
+    if x.shape[2] % 2:
+        raise KernelArgumentError(f"x must have an even head_size, got {x.shape[2]}")
+    _check_operand(cos, "cos", x, (x.shape[0], x.shape[2]))
+    _check_operand(sin, "sin", x, (x.shape[0], x.shape[2]))
+    return load_kernels().rotary(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, 2 * I] (gate, then up) -> silu(gate) * up [num_tokens, I]."""
+    from pagedllm.backends.cuda.checks import KernelArgumentError
+
+    _check_input(x, "[num_tokens, 2 * intermediate_size]", 2)
+    if x.shape[1] % 2:
+        raise KernelArgumentError(f"x must have an even last dimension (gate, then up), got "
+                                  f"{x.shape[1]}")
+    return load_kernels().silu_and_mul(x)

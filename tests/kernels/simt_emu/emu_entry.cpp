@@ -111,4 +111,53 @@ int emu_swap_blocks(const void* src, void* dst, int64_t src_stride_bytes, int64_
                                                        cudaMemcpyHostToHost, nullptr));
 }
 
+int emu_rms_norm(int dtype, void* out, void* residual_out, const void* x, int64_t x_stride,
+                 const void* residual, int64_t residual_stride, const void* weight, int num_tokens,
+                 int hidden_size, float eps) {
+  pagedllm::RmsNormArgs a{};
+  a.dtype = static_cast<ScalarType>(dtype);
+  a.out = out;
+  a.residual_out = residual_out;
+  a.x = x;
+  a.x_stride = x_stride;
+  a.residual = residual;
+  a.residual_stride = residual_stride;
+  a.weight = weight;
+  a.num_tokens = num_tokens;
+  a.hidden_size = hidden_size;
+  a.eps = eps;
+  return static_cast<int>(pagedllm::launch_rms_norm(a, nullptr));
+}
+
+int emu_rotary(int dtype, void* out, const void* x, int64_t x_s0, int64_t x_s1, const void* cos,
+               int64_t cos_s0, const void* sin, int64_t sin_s0, int num_tokens, int num_heads,
+               int head_size) {
+  pagedllm::RotaryArgs a{};
+  a.dtype = static_cast<ScalarType>(dtype);
+  a.out = out;
+  a.x = x;
+  a.x_token_stride = x_s0;
+  a.x_head_stride = x_s1;
+  a.cos = cos;
+  a.cos_stride = cos_s0;
+  a.sin = sin;
+  a.sin_stride = sin_s0;
+  a.num_tokens = num_tokens;
+  a.num_heads = num_heads;
+  a.head_size = head_size;
+  return static_cast<int>(pagedllm::launch_rotary(a, nullptr));
+}
+
+int emu_silu_and_mul(int dtype, void* out, const void* x, int64_t x_s0, int num_tokens,
+                     int intermediate_size) {
+  pagedllm::SiluAndMulArgs a{};
+  a.dtype = static_cast<ScalarType>(dtype);
+  a.out = out;
+  a.x = x;
+  a.x_stride = x_s0;
+  a.num_tokens = num_tokens;
+  a.intermediate_size = intermediate_size;
+  return static_cast<int>(pagedllm::launch_silu_and_mul(a, nullptr));
+}
+
 }  // extern "C"

@@ -71,6 +71,7 @@ inline __half __float2half(float value) {
   std::memcpy(&h.bits, &f, 2);
   return h;
 }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline float pl_uint_as_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
@@ -282,6 +283,12 @@ inline void run_grid(dim3 grid, dim3 block, std::function<void()> body) {
 inline float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
   return ::simt::shfl_xor(value, lane_mask, width);
 }
+
+// g++ in ISO mode (-std=c++17) never contracts a * b + c into an FMA, so the plain operators are the
+// correctly rounded single operations that __fmul_rn / __fadd_rn are on the GPU.
+inline float pl_fmul_rn(float a, float b) { return a * b; }
+inline float pl_fadd_rn(float a, float b) { return a + b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline cudaError_t cudaGetLastError() {
   return simt::g_error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
