@@ -22,7 +22,7 @@ class CudaBackend(Backend):
     default_dtype = "bfloat16"
     capabilities = Capabilities(graphs=True, swap=True, static_shapes=False, prefix_caching=True,
                                 chunked_prefill=True, dtypes=("bfloat16", "float16", "float32"),
-                                preferred_block_size=16, block_sizes=(16, 32))
+                                preferred_block_size=16, block_sizes=(16, 32), async_output=True)
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32
