@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -42,6 +43,16 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 3 + 10, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
+    gc_seconds = [0.0, 0.0]  # total, start of the current collection
+
+    def on_gc(phase: str, _info: dict) -> None:
+        if phase == "start":
+            gc_seconds[1] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_seconds[1]
+
+    gc.callbacks.append(on_gc)
+
     def timed(k: int) -> float:
         sync()
         start = time.perf_counter()
@@ -57,7 +68,10 @@ def main() -> None:
         while engine.stats().num_waiting:  # prefill everything; then only decode steps remain
             engine.step()
         timed(3)
-        print(f"batch {batch}: {timed(args.steps):.2f} ms per decode step")
+        gc_seconds[0] = 0.0
+        ms = timed(args.steps)
+        print(f"batch {batch}: {ms:.2f} ms per decode step "
+              f"({gc_seconds[0] / args.steps * 1e3:.2f} ms of it in Python's garbage collector)")
         prof = cProfile.Profile()
         prof.enable()
         ms = timed(args.steps)

@@ -57,7 +57,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_b, width), dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch, context bucket)
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        # every graph writes its logits into rows [:B] of this one buffer: a per-graph output
+        # would stay allocated for each of the (sizes x buckets) graphs (8.5 GB of float32 logits
+        # per bucket for the 67 sizes up to 512 with a 128k vocabulary)
+        self.logits: torch.Tensor | None = None
 
     def _metadata(self, b: int, max_len: int) -> AttentionMetadata:
         empty = self.seq_lens[:0]
@@ -76,20 +79,25 @@ class DecodeGraphs:
                             self._metadata(b, max_len))
         return self.model.compute_logits(hidden)
 
+    def _forward_into_logits(self, b: int, max_len: int) -> None:
+        assert self.logits is not None
+        self.logits[:b].copy_(self._forward(b, max_len))
+
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        self.logits = torch.empty_like(self._forward(self.sizes[-1], self.context_lens[0]))
         # largest first, so smaller graphs reuse its pool
         for key in sorted(((b, n) for b in self.sizes for n in self.context_lens), reverse=True):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(*key)
+                    self._forward_into_logits(*key)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[key] = self._forward(*key)
+                self._forward_into_logits(*key)
             self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s x contexts up to %s", self.sizes,
@@ -102,7 +110,8 @@ class DecodeGraphs:
                         for s in batch.seqs))
 
     def run(self, inp: ModelInput) -> torch.Tensor:
-        """Logits [B, vocab] for a decode-only input prepared by the model runner."""
+        """Logits [B, vocab] for a decode-only input prepared by the model runner: a view of the
+        shared buffer, valid for work queued before the next replay (stream order)."""
         b = inp.metadata.num_decode_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         meta = inp.metadata
@@ -117,4 +126,5 @@ class DecodeGraphs:
             self.seq_lens[b:size].fill_(1)
         max_len = self.context_lens[bisect.bisect_left(self.context_lens, meta.max_decode_seq_len)]
         self.graphs[size, max_len].replay()
-        return self.logits[size, max_len][:b]
+        assert self.logits is not None
+        return self.logits[:b]
