@@ -133,12 +133,15 @@ def reference(s: DecodeSetup, x: dict, i: int) -> torch.Tensor:
     return torch.einsum("bht,bthd->bhd", scores.softmax(-1), v)
 
 
-def run_decode(s: DecodeSetup, repeats: int, check: bool) -> tuple[float, float]:
-    """(ms per call, max abs error vs reference or nan)."""
+def run_decode(s: DecodeSetup, repeats: int, check: bool,
+               partition: int | None = None) -> tuple[float, float]:
+    """(ms per call, max abs error vs reference or nan); partition None: the kernel's own choice."""
     kernels = ops.load_kernels()
     x = build(s, torch.Generator(device="cuda").manual_seed(0))
     out = torch.empty(s.batch, s.num_heads, s.head_size, dtype=s.dtype, device="cuda")
-    parts = -(-s.context // int(kernels.PARTITION_SIZE))
+    if partition is None:
+        partition = kernels.decode_partition_size(s.batch, s.num_heads, s.num_kv_heads, s.context)
+    parts = -(-s.context // partition)
     f32 = dict(dtype=torch.float32, device="cuda")
     tmp = (torch.empty(s.batch, s.num_heads, parts, s.head_size, **f32),
            torch.empty(s.batch, s.num_heads, parts, **f32),
@@ -149,7 +152,7 @@ def run_decode(s: DecodeSetup, repeats: int, check: bool) -> tuple[float, float]
         j = i % x["sets"]
         kernels.paged_attention(out, x["queries"][j], key_cache, value_cache, s.num_kv_heads,
                                 s.head_size**-0.5, x["tables"][j], x["seq_lens"], s.block_size,
-                                s.context, *tmp)
+                                s.context, *tmp, partition)
 
     error = float("nan")
     if check:
@@ -189,15 +192,21 @@ def main() -> int:
           f"(target {100 * TARGET_FRACTION:.0f}%), max abs err vs fp32 torch {err:.2e}: {verdict}")
 
     if not args.no_table:
-        print("(c) batch  context      us    TB/s  %copy   max_err")
+        kernels = ops.load_kernels()
+        sizes = [64, 128, 256, 512, 1024]
+        print("(c) batch  context  chosen      us    TB/s  %copy   max_err | us with partition "
+              + " ".join(f"{p:>6d}" for p in sizes))
         for batch in (1, 8, 64, 256):
             for context in (128, 1024, 4096):
                 s = DecodeSetup(batch=batch, context=context)
+                chosen = kernels.decode_partition_size(batch, s.num_heads, s.num_kv_heads, context)
                 ms, err = run_decode(s, args.repeats, check=batch * context <= 64 * 4096)
                 bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
                 err_text = f"{err:9.2e}" if err == err else f"{'unchecked':>9}"  # nan: not checked
-                print(f"    {batch:5d} {context:8d} {ms * 1e3:7.1f} {bw / 1e12:7.2f} "
-                      f"{100 * bw / copy_bw:6.1f} {err_text}")
+                sweep = [run_decode(s, max(3, args.repeats // 3), False, p)[0] * 1e3 for p in sizes]
+                print(f"    {batch:5d} {context:8d} {chosen:7d} {ms * 1e3:7.1f} {bw / 1e12:7.2f} "
+                      f"{100 * bw / copy_bw:6.1f} {err_text} | {'':17s}"
+                      + " ".join(f"{t:6.1f}" for t in sweep))
     return 0
 
 

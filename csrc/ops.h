@@ -22,16 +22,44 @@ inline int scalar_type_size(ScalarType dtype) { return dtype == ScalarType::kFlo
 // Paged decode attention (one query token per sequence).
 // ---------------------------------------------------------------------------------------------
 
-// Tokens per partition of the context. A sequence longer than this is split over several thread
-// blocks whose partial results a second (reduce) kernel combines. (-DPAGEDLLM_PARTITION_SIZE=N
-// overrides it for tuning experiments; see PAGEDLLM_KERNEL_FLAGS in setup_ext.py.)
-#ifndef PAGEDLLM_PARTITION_SIZE
-#define PAGEDLLM_PARTITION_SIZE 512
-#endif
-constexpr int kPartitionSize = PAGEDLLM_PARTITION_SIZE;
+// Tokens per partition of the context, chosen per launch (PagedAttentionArgs::partition_size): a
+// power of two in [kMinPartitionSize, kMaxPartitionSize]. A sequence longer than one partition is
+// split over several thread blocks whose partial results a second (reduce) kernel combines.
+constexpr int kMinPartitionSize = 64;
+constexpr int kMaxPartitionSize = 1024;
+// The grid size below which partitions are shortened (about 4 thread blocks per SM of an H200).
+constexpr int kTargetDecodeBlocks = 512;
 
-inline int paged_attention_num_partitions(int max_seq_len) {
-  return max_seq_len <= 0 ? 1 : (max_seq_len + kPartitionSize - 1) / kPartitionSize;
+inline bool paged_attention_supports_partition_size(int p) {
+  return p >= kMinPartitionSize && p <= kMaxPartitionSize && (p & (p - 1)) == 0;
+}
+
+inline int paged_attention_num_partitions(int max_seq_len, int partition_size) {
+  return max_seq_len <= 0 ? 1 : (max_seq_len + partition_size - 1) / partition_size;
+}
+
+// Query heads one thread block serves: the kv group, in the compiled sizes 1, 4 and 8 (larger
+// groups take several blocks).
+inline int paged_attention_heads_per_block(int q_per_kv) {
+  return q_per_kv <= 1 ? 1 : (q_per_kv <= 4 ? 4 : 8);
+}
+
+// The partition size for a launch: the longest one (no longer than the context needs) that still
+// gives the grid kTargetDecodeBlocks thread blocks. Long partitions mean fewer partial results to
+// combine; short ones spread a few sequences (batch-1 decode) over more of the GPU.
+inline int paged_attention_partition_size(int num_seqs, int num_heads, int num_kv_heads,
+                                          int max_seq_len) {
+  const int q_per_kv = num_kv_heads > 0 ? num_heads / num_kv_heads : 1;
+  const int gqa = paged_attention_heads_per_block(q_per_kv);
+  const int64_t blocks_per_partition =
+      static_cast<int64_t>(num_seqs) * num_kv_heads * ((q_per_kv + gqa - 1) / gqa);
+  int p = kMinPartitionSize;
+  while (p < kMaxPartitionSize && p < max_seq_len) p *= 2;
+  while (p > kMinPartitionSize &&
+         blocks_per_partition * paged_attention_num_partitions(max_seq_len, p) < kTargetDecodeBlocks) {
+    p /= 2;
+  }
+  return p;
 }
 
 // Head sizes the decode kernel is compiled for.
@@ -65,7 +93,8 @@ struct PagedAttentionArgs {
   int64_t block_tables_stride;
   int max_num_blocks_per_seq;
   const int32_t* seq_lens;        // [num_seqs]; tokens of context including the current one
-  // Partition buffers, used (and required) only when paged_attention_num_partitions(max_seq_len) > 1.
+  // Partition buffers, used (and required) only when paged_attention_num_partitions(max_seq_len,
+  // partition_size) > 1.
   // All contiguous float32.
   float* tmp_out;                 // [num_seqs, num_heads, num_partitions, head_size]
   float* exp_sums;                // [num_seqs, num_heads, num_partitions]
@@ -77,7 +106,8 @@ struct PagedAttentionArgs {
   int block_size;
   int num_blocks;                 // block ids outside [0, num_blocks) are treated as masked tokens
   int max_seq_len;                // >= every seq_len; sets the partitions launched: a longer
-                                  // sequence is cut at ceil(max_seq_len / 512) * 512 tokens
+                                  // sequence is cut at ceil(max_seq_len / P) * P tokens
+  int partition_size;             // P: tokens per partition (paged_attention_supports_partition_size)
   float scale;
 };
 

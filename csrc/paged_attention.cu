@@ -65,7 +65,8 @@ cudaError_t launch_paged_attention(const PagedAttentionArgs& a, cudaStream_t str
       !paged_attention_supports_block_size(a.block_size)) {
     return cudaErrorInvalidValue;
   }
-  const int num_partitions = paged_attention_num_partitions(a.max_seq_len);
+  if (!paged_attention_supports_partition_size(a.partition_size)) return cudaErrorInvalidValue;
+  const int num_partitions = paged_attention_num_partitions(a.max_seq_len, a.partition_size);
   if (num_partitions > 1 && (a.tmp_out == nullptr || a.exp_sums == nullptr || a.max_logits == nullptr)) {
     return cudaErrorInvalidValue;
   }

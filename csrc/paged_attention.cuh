@@ -3,7 +3,7 @@
 // Work decomposition
 //   grid = (num_kv_heads * head_chunks, num_seqs, num_partitions); one thread block handles GQA
 //   query heads that share one kv head (head_chunks = ceil(q_per_kv / GQA)), one sequence and one
-//   partition of kPartitionSize tokens. Every K/V element of the partition is loaded from global
+//   partition of a.partition_size tokens (chosen per launch, at most kMaxPartitionSize). Every K/V element of the partition is loaded from global
 //   memory exactly once per block and used for all GQA query heads.
 //
 //   Inside a block, each warp walks "chunks" of CHUNK consecutive tokens (warp w takes chunks
@@ -55,7 +55,7 @@ struct DecodeLayout {
   static constexpr int kChunk = kTokensPerStep * kSteps;              // tokens per warp chunk
   static_assert(HEAD_SIZE % kVec == 0, "head_size * sizeof(T) must be a multiple of 16 bytes");
   static_assert(8 % kVecsPerLane == 0, "unsupported head size");
-  static_assert(kPartitionSize % kChunk == 0, "a partition must be a whole number of chunks");
+  static_assert(kMinPartitionSize % kChunk == 0, "a partition must be a whole number of chunks");
 };
 
 // Tokens of sequence `seq` the kernels look at: seq_lens[seq] clamped to what the block table and
@@ -64,7 +64,7 @@ PL_DEVICE int effective_seq_len(const PagedAttentionArgs& a, int seq, int block_
                                 int num_partitions) {
   int64_t len = a.seq_lens[seq];
   const int64_t table_tokens = static_cast<int64_t>(a.max_num_blocks_per_seq) << block_shift;
-  const int64_t part_tokens = static_cast<int64_t>(num_partitions) * kPartitionSize;
+  const int64_t part_tokens = static_cast<int64_t>(num_partitions) * a.partition_size;
   len = len < table_tokens ? len : table_tokens;
   len = len < part_tokens ? len : part_tokens;
   return len < 0 ? 0 : static_cast<int>(len);
@@ -122,7 +122,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   constexpr int VPL = L::kVecsPerLane;
   constexpr int STEPS = L::kSteps;
   constexpr int CHUNK = L::kChunk;
-  constexpr int kLogitFloats = GQA * kPartitionSize;             // logits[GQA][kPartitionSize]
+  constexpr int kLogitFloats = GQA * kMaxPartitionSize;          // logits[GQA][kMaxPartitionSize]
   constexpr int kReduceFloats = kAttnWarps * GQA * HEAD_SIZE;    // red_out[warps][GQA][HEAD_SIZE]
   __shared__ float smem[kLogitFloats > kReduceFloats ? kLogitFloats : kReduceFloats];
   __shared__ float red_max[kAttnWarps][GQA];
@@ -140,7 +140,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   const int num_valid_heads = const_min(GQA, q_per_kv - first_in_group);
 
   const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
-  const int part_start = partition * kPartitionSize;
+  const int part_start = partition * a.partition_size;
   if (part_start >= seq_len) {
     // Only an empty sequence gets here with one partition: its output is zero.
     if (num_partitions == 1) {
@@ -151,7 +151,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     }
     return;  // uniform over the block
   }
-  const int part_end = const_min(part_start + kPartitionSize, seq_len);
+  const int part_end = const_min(part_start + a.partition_size, seq_len);
   const int part_tokens = part_end - part_start;
 
   const int warp = tid / WARP_SIZE;
@@ -184,7 +184,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   }
 
   // ---- Phase 1: logits ----------------------------------------------------------------------
-  float* logits = smem;  // [GQA][kPartitionSize], index t = token - part_start
+  float* logits = smem;  // [GQA][kMaxPartitionSize], index t = token - part_start
   float qk_max[GQA];
 #pragma unroll
   for (int g = 0; g < GQA; ++g) qk_max[g] = -INFINITY;
@@ -223,7 +223,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 #pragma unroll
         for (int g = 0; g < GQA; ++g) {
           const float logit = valid[s] ? dot[g] : -INFINITY;
-          logits[g * kPartitionSize + (tok - part_start)] = logit;
+          logits[g * kMaxPartitionSize + (tok - part_start)] = logit;
           qk_max[g] = fmaxf(qk_max[g], logit);
         }
       }
@@ -248,7 +248,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   for (int g = 0; g < GQA; ++g) {
     float local_sum = 0.f;
     for (int t = tid; t < part_tokens; t += kAttnThreads) {
-      float* logit = logits + g * kPartitionSize + t;
+      float* logit = logits + g * kMaxPartitionSize + t;
       const float p = block_max[g] == -INFINITY ? 0.f : expf(*logit - block_max[g]);
       *logit = p;
       local_sum += p;
@@ -282,7 +282,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
       const int t = chunk + s * L::kTokensPerStep + slot - part_start;
       float p[GQA];
 #pragma unroll
-      for (int g = 0; g < GQA; ++g) p[g] = logits[g * kPartitionSize + t];
+      for (int g = 0; g < GQA; ++g) p[g] = logits[g * kMaxPartitionSize + t];
 #pragma unroll
       for (int i = 0; i < VPL; ++i) {
         float v[VEC];
@@ -368,7 +368,7 @@ __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
   const int seq = blockIdx.y;
   T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride + head * a.out_head_stride;
   const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
-  const int used = (seq_len + kPartitionSize - 1) / kPartitionSize;  // partitions written
+  const int used = (seq_len + a.partition_size - 1) / a.partition_size;  // partitions written
   const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
   const float* max_logits = a.max_logits + row * num_partitions;
   const float* exp_sums = a.exp_sums + row * num_partitions;

@@ -90,7 +90,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
                      int64_t block_size, int64_t max_seq_len,
                      const c10::optional<torch::Tensor>& tmp_out_opt,
                      const c10::optional<torch::Tensor>& exp_sums_opt,
-                     const c10::optional<torch::Tensor>& max_logits_opt) {
+                     const c10::optional<torch::Tensor>& max_logits_opt, int64_t partition_size) {
   const torch::Device device = query.device();
   check_cuda(query, "query", device);
   check_cuda(out, "out", device);
@@ -138,7 +138,17 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   check_aligned16(key_cache, "key_cache");
   check_aligned16(value_cache, "value_cache");
 
-  const int num_partitions = pagedllm::paged_attention_num_partitions(static_cast<int>(max_seq_len));
+  if (partition_size == 0) {
+    partition_size = pagedllm::paged_attention_partition_size(
+        static_cast<int>(num_seqs), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
+        static_cast<int>(max_seq_len));
+  }
+  TORCH_CHECK(pagedllm::paged_attention_supports_partition_size(static_cast<int>(partition_size)),
+              "paged_attention: partition_size must be a power of two in [",
+              pagedllm::kMinPartitionSize, ", ", pagedllm::kMaxPartitionSize, "] (or 0: chosen "
+              "per launch), got ", partition_size);
+  const int num_partitions = pagedllm::paged_attention_num_partitions(
+      static_cast<int>(max_seq_len), static_cast<int>(partition_size));
   torch::Tensor tmp_out, exp_sums, max_logits;
   if (num_partitions > 1) {
     const std::vector<int64_t> part_shape = {num_seqs, num_heads, num_partitions};
@@ -188,6 +198,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   a.block_size = static_cast<int>(block_size);
   a.num_blocks = static_cast<int>(num_blocks);
   a.max_seq_len = static_cast<int>(max_seq_len);
+  a.partition_size = static_cast<int>(partition_size);
   a.scale = static_cast<float>(scale);
 
   const c10::cuda::CUDAGuard guard(device);
@@ -486,13 +497,18 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedllm CUDA/ROCm kernels: paged decode attention, KV-cache maintenance, layer ops";
-  m.attr("PARTITION_SIZE") = pagedllm::kPartitionSize;
+  m.attr("MIN_PARTITION_SIZE") = pagedllm::kMinPartitionSize;
+  m.attr("MAX_PARTITION_SIZE") = pagedllm::kMaxPartitionSize;
+  m.def("decode_partition_size", &pagedllm::paged_attention_partition_size,
+        "Tokens per partition paged_attention uses when partition_size=0.", py::arg("num_seqs"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("max_seq_len"));
   m.def("paged_attention", &paged_attention,
         "Decode attention over the paged KV cache; writes out [num_seqs, num_heads, head_size].",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("num_kv_heads"), py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("max_seq_len"), py::arg("tmp_out") = py::none(),
-        py::arg("exp_sums") = py::none(), py::arg("max_logits") = py::none());
+        py::arg("exp_sums") = py::none(), py::arg("max_logits") = py::none(),
+        py::arg("partition_size") = 0);
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping.",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),

@@ -24,7 +24,6 @@ _CSRC = _HERE.parents[1] / "csrc"
 _UNITS = (_CSRC / "paged_attention.cu", _CSRC / "cache_kernels.cu", _CSRC / "layer_kernels.cu",
           _EMU_DIR / "emu_entry.cpp")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-PARTITION_SIZE = 512  # csrc/ops.h kPartitionSize
 _lib: ctypes.CDLL | None = None
 
 
@@ -92,10 +91,12 @@ def reset(seed: int) -> None:
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                    max_seq_len: int) -> torch.Tensor:
+                    max_seq_len: int, partition_size: int | None = None) -> torch.Tensor:
     lib = _load()
     num_seqs, num_heads, head_size = query.shape
-    num_partitions = max(1, -(-max_seq_len // PARTITION_SIZE))
+    if partition_size is None:
+        partition_size = decode_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len)
+    num_partitions = max(1, -(-max_seq_len // partition_size))
     tmp_out = exp_sums = max_logits = None
     if num_partitions > 1:
         tmp_out = torch.full((num_seqs, num_heads, num_partitions, head_size), float("nan"))
@@ -109,11 +110,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         _ptr(block_tables), *_i64(block_tables.stride(0)), ctypes.c_int(block_tables.shape[1]),
         _ptr(seq_lens), _ptr(tmp_out), _ptr(exp_sums), _ptr(max_logits),
         *[ctypes.c_int(v) for v in (num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                    key_cache.shape[0], max_seq_len)],
+                                    key_cache.shape[0], max_seq_len, partition_size)],
         ctypes.c_float(scale),
     )
     _check(lib, rc, "paged_attention")
     return out
+
+
+def decode_partition_size(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """csrc/ops.h paged_attention_partition_size (the rule the extension applies)."""
+    return int(_load().emu_decode_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len))
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

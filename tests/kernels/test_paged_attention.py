@@ -2,8 +2,10 @@
 
 test_*_cuda run the built extension on a GPU (skipped without one) over the full matrix of head
 sizes, block sizes, dtypes and MHA/GQA/MQA; test_*_emulated run the same kernel source on the CPU
-through the SIMT emulator over a representative subset. Contexts longer than 512 tokens exercise
-the partitioned (v2) path and its reduce kernel.
+through the SIMT emulator over a representative subset. Contexts longer than one partition
+exercise the partitioned (v2) path and its reduce kernel: the partition size is chosen per launch
+(64..1024 tokens, shorter for few sequences), so these small batches mostly run short partitions,
+and test_partition_sizes forces each size.
 """
 from __future__ import annotations
 
@@ -65,13 +67,15 @@ def make_inputs(case: Case, device: str, seed: int) -> dict:
     )
 
 
-def run_and_check(ops: ModuleType, case: Case, device: str, seed: int = 0) -> None:
+def run_and_check(ops: ModuleType, case: Case, device: str, seed: int = 0,
+                  partition_size: int | None = None) -> None:
     x = make_inputs(case, device, seed)
     key_cache, value_cache = x["kv_cache"][0], x["kv_cache"][1]
     scale = case.head_size**-0.5
     out = torch.full_like(x["query"], float("nan"))
     ops.paged_attention(out, x["query"], key_cache, value_cache, case.num_kv_heads, scale,
-                        x["block_tables"], x["seq_lens"], case.block_size, max(case.seq_lens))
+                        x["block_tables"], x["seq_lens"], case.block_size, max(case.seq_lens),
+                        partition_size=partition_size)
     ref = paged_decode_ref(x["query"].cpu(), key_cache.cpu(), value_cache.cpu(),
                            x["block_tables"].cpu(), x["seq_lens"].cpu(), scale)
     out = out.cpu()
@@ -115,6 +119,40 @@ def test_paged_attention_emulated(emu_ops: ModuleType, case: Case) -> None:
 
 def _edge_backends() -> list:
     return [pytest.param("cuda_ops", id="cuda"), pytest.param("emu_ops", id="emulated")]
+
+
+@pytest.mark.parametrize("fixture", _edge_backends())
+@pytest.mark.parametrize("partition_size", [64, 128, 256, 512, 1024])
+def test_partition_sizes(request: pytest.FixtureRequest, fixture: str, partition_size: int) -> None:
+    """Every partition size over contexts shorter than, equal to and several times one partition."""
+    ops = request.getfixturevalue(fixture)
+    device = "cuda" if fixture == "cuda_ops" else "cpu"
+    for case in (Case(torch.bfloat16, 128, 16, 8, 2, (1, 64, 65, 300, 1100)),
+                 Case(torch.float32, 64, 32, 4, 4, (129, 1024, 2050))):
+        run_and_check(ops, case, device, seed=partition_size, partition_size=partition_size)
+
+
+def test_partition_size_rule(emu_ops: ModuleType) -> None:
+    """Long partitions while the grid has enough blocks; shorter ones for few sequences; never
+    longer than the context needs (csrc/ops.h paged_attention_partition_size)."""
+    rule = emu_ops.decode_partition_size  # (num_seqs, num_heads, num_kv_heads, max_seq_len)
+    assert rule(64, 32, 8, 1024) == 1024   # 512 blocks already: one pass, no reduce
+    assert rule(256, 32, 8, 512) == 512    # the context needs no more
+    assert rule(8, 32, 8, 4096) == 512     # 64 blocks per partition: 8 partitions each
+    assert rule(1, 32, 8, 4096) == 64      # one sequence: as many blocks as possible
+    assert rule(1, 32, 8, 200) == 64
+    assert rule(256, 32, 8, 8192) == 1024
+    assert rule(4, 8, 8, 1) == 64          # the minimum
+
+
+def test_bad_partition_size_raises(cuda_ops: ModuleType) -> None:
+    case = Case(torch.float16, 128, 16, 8, 2, (5, 30))
+    x = make_inputs(case, "cuda", seed=0)
+    out = torch.empty_like(x["query"])
+    for bad in (32, 96, 2048):
+        with pytest.raises(ValueError, match="partition_size"):
+            cuda_ops.paged_attention(out, x["query"], x["kv_cache"][0], x["kv_cache"][1], 2, 0.1,
+                                     x["block_tables"], x["seq_lens"], 16, 30, partition_size=bad)
 
 
 @pytest.mark.parametrize("fixture", _edge_backends())

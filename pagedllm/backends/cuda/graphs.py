@@ -23,13 +23,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def context_buckets(max_model_len: int, partition_size: int | None) -> list[int]:
-    """Context lengths graphs are captured for. The decode kernel launches one thread block per
-    ``partition_size`` tokens of the captured length and then a reduce pass; a graph for contexts
-    up to one partition launches neither the idle blocks nor the reduce."""
-    if partition_size is None or partition_size >= max_model_len:
+def context_buckets(max_model_len: int, first: int | None) -> list[int]:
+    """Context lengths graphs are captured for: up to ``first`` tokens and up to the model length.
+    The decode kernel's partitions (and its reduce pass) follow the captured length, so a short
+    bucket keeps short contexts from launching thread blocks for tokens they do not have."""
+    if first is None or first >= max_model_len:
         return [max_model_len]
-    return [partition_size, max_model_len]
+    return [first, max_model_len]
 
 
 class DecodeGraphs:

@@ -154,11 +154,14 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     max_seq_len: int,
+    partition_size: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context; fills and returns out.
 
-    max_seq_len must be >= every seq_len (longer sequences are truncated). Contexts longer than
-    one partition (PARTITION_SIZE tokens) use float32 scratch buffers allocated here.
+    max_seq_len must be >= every seq_len (longer sequences are truncated). Each thread block takes
+    ``partition_size`` tokens of one sequence (a power of two in [MIN_PARTITION_SIZE,
+    MAX_PARTITION_SIZE]; None: ``decode_partition_size``, which shortens partitions when there are
+    few sequences); contexts longer than one partition use float32 scratch buffers allocated here.
     """
     import torch
 
@@ -167,11 +170,17 @@ def paged_attention(
     check_paged_attention(out, query, key_cache, value_cache, int(num_kv_heads), block_tables,
                           seq_lens, int(block_size))
     kernels = load_kernels()
-    partition = int(kernels.PARTITION_SIZE)
-    num_partitions = max(1, (int(max_seq_len) + partition - 1) // partition)
+    num_seqs, num_heads, _ = query.shape
+    if partition_size is None:
+        partition_size = kernels.decode_partition_size(num_seqs, num_heads, int(num_kv_heads),
+                                                       int(max_seq_len))
+    lo, hi = int(kernels.MIN_PARTITION_SIZE), int(kernels.MAX_PARTITION_SIZE)
+    if not (lo <= partition_size <= hi and partition_size & (partition_size - 1) == 0):
+        raise ValueError(f"partition_size={partition_size} must be a power of two in [{lo}, {hi}]")
+    num_partitions = max(1, (int(max_seq_len) + partition_size - 1) // partition_size)
     tmp_out = exp_sums = max_logits = None
     if num_partitions > 1:
-        num_seqs, num_heads, head_size = query.shape
+        head_size = query.shape[2]
         f32 = dict(dtype=torch.float32, device=query.device)
         tmp_out = torch.empty(num_seqs, num_heads, num_partitions, head_size, **f32)
         exp_sums = torch.empty(num_seqs, num_heads, num_partitions, **f32)
@@ -179,6 +188,7 @@ def paged_attention(
     kernels.paged_attention(
         out, query, key_cache, value_cache, int(num_kv_heads), float(scale), block_tables,
         seq_lens, int(block_size), int(max_seq_len), tmp_out, exp_sums, max_logits,
+        int(partition_size),
     )
     return out
 

@@ -13,6 +13,10 @@ from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+# Decode graphs are captured for contexts up to this many tokens and up to the model length. The
+# first bucket is one 512-token kernel partition at large batch sizes (no reduce pass).
+DECODE_BUCKET_TOKENS = 512
+
 
 class CudaWorker(Worker):
     graphs: DecodeGraphs | None = None
@@ -48,9 +52,7 @@ class CudaWorker(Worker):
         max_len = self.config.model.max_model_len
         partition = None
         if self.attn_cls is CudaPagedAttention:  # the csrc/ decode kernel partitions contexts
-            from pagedllm.backends.cuda.ops import load_kernels
-
-            partition = int(load_kernels().PARTITION_SIZE)
+            partition = DECODE_BUCKET_TOKENS
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
                                    max_len, sizes, self.device, context_buckets(max_len, partition))
         self.graphs.capture()
