@@ -50,13 +50,15 @@ class TorchPagedAttention(AttentionImpl):
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
         k, v = gather_kv(kv_cache, metadata.decode_block_tables)  # [B, kvH, L, D]
-        length = k.shape[2]
+        b, length = k.shape[0], k.shape[2]
         mask = (torch.arange(length, device=query.device)[None, :]
                 < metadata.decode_seq_lens[:, None])  # [B, L]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, 1, D]
-        return out.squeeze(2)
+        # The query heads of a kv group as the group's query rows: [B, kvH, H / kvH, D]. Same
+        # attention as GQA over repeated K/V, without materializing the repeats.
+        q = query.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
+                                             scale=self.scale)
+        return out.reshape(b, self.num_heads, -1)
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
