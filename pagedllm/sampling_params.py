@@ -130,6 +130,13 @@ class SamplingParams:
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the sequence's tokens so far (repetition/presence/frequency
+        penalties)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def max_stop_len(self) -> int:
         """Characters of text held back while streaming so a partial stop string never leaks."""
         return max((len(s) for s in self.stop), default=0)

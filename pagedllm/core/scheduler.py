@@ -235,8 +235,7 @@ class Scheduler:
         entries: list[tuple[int, ScheduledSeq, SequenceGroup, Sequence]] = []
         for group, group_chunks in chunks:
             params = group.sampling_params
-            needs_history = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                             or params.repetition_penalty != 1.0)
+            needs_history = params.needs_history
             for seq, n in group_chunks:
                 start = seq.num_computed_tokens
                 done = start + n == len(seq)
@@ -283,8 +282,7 @@ class Scheduler:
         for group in self.running:
             params = group.sampling_params
             if (group.deadline is not None or (params.best_of > 1 and not group.forked)
-                    or group.wants_prompt_logprobs() or params.presence_penalty != 0.0
-                    or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0):
+                    or group.wants_prompt_logprobs() or params.needs_history):
                 return None
             for seq in group.unfinished_seqs():
                 if seq.seq_id not in sampled or seq.num_computed_tokens != len(seq):
@@ -295,8 +293,9 @@ class Scheduler:
                     ending += 1
                 else:
                     chunks.append((group, seq))
+        # every unfinished running sequence is in chunks or ending by here
         if not chunks or (ending and self.waiting) or (
-                self.waiting and self._running_seqs() < self.config.max_num_seqs):
+                self.waiting and len(chunks) + ending < self.config.max_num_seqs):
             return None
         if not self.block_manager.can_append((seq, 1) for _, seq in chunks):
             return None
@@ -313,9 +312,6 @@ class Scheduler:
         out.batch.finished_seq_ids = self._finished_seq_ids
         self._finished_seq_ids = []
         return out
-
-    def _running_seqs(self) -> int:
-        return sum(g.num_unfinished_seqs() for g in self.running)
 
     def after_step(self, out: SchedulerOutput) -> None:
         """The step's KV is written: full blocks may now serve as prefix-cache hits."""
