@@ -37,24 +37,46 @@ namespace pagedllm {
 #define PAGEDLLM_ATTN_WARPS 4
 #endif
 constexpr int kAttnWarps = PAGEDLLM_ATTN_WARPS;
+#ifndef PAGEDLLM_ATTN_LOADS  // 16-byte loads in flight per lane (a tuning knob)
+#define PAGEDLLM_ATTN_LOADS 8
+#endif
+#ifndef PAGEDLLM_ATTN_MAX_GROUP  // most lanes that share one token row (a tuning knob)
+#define PAGEDLLM_ATTN_MAX_GROUP 8  // H200, bf16 d128 GQA 4: 8 lanes 77.6% of copy BW, 16 lanes 60%
+#endif
+#ifndef PAGEDLLM_ATTN_MIN_BLOCKS  // resident blocks per SM the registers must allow (tuning knob)
+#define PAGEDLLM_ATTN_MIN_BLOCKS 0  // 0: no bound beyond the block size
+#endif
+#if PAGEDLLM_ATTN_MIN_BLOCKS > 0 && !defined(USE_ROCM)
+#define PL_ATTN_LAUNCH_BOUNDS __launch_bounds__(PAGEDLLM_ATTN_WARPS * WARP_SIZE, PAGEDLLM_ATTN_MIN_BLOCKS)
+#else
+#define PL_ATTN_LAUNCH_BOUNDS PL_LAUNCH_BOUNDS(PAGEDLLM_ATTN_WARPS * WARP_SIZE)
+#endif
 constexpr int kAttnThreads = kAttnWarps * WARP_SIZE;
 constexpr int kReduceThreads = 128;
 
 __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
 __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
 
-// Thread layout of the decode kernel for one dtype and head size (see the header comment).
-template <typename T, int HEAD_SIZE>
+// Thread layout of the decode kernel for one dtype, head size and GQA (see the header comment).
+// A row group is at most PAGEDLLM_ATTN_MAX_GROUP lanes (fewer lanes per token mean fewer shuffle
+// rounds per token) but wide enough that a lane holds at most kQFloats query floats and
+// a row takes at most PAGEDLLM_ATTN_LOADS loads per lane.
+template <typename T, int HEAD_SIZE, int GQA>
 struct DecodeLayout {
   static constexpr int kVec = Vec16<T>::kElems;                       // elements per 16 B load
   static constexpr int kNumVecs = HEAD_SIZE / kVec;                   // 16 B vectors per row
-  static constexpr int kGroup = const_min(ceil_pow2(kNumVecs), WARP_SIZE);  // lanes per token
-  static constexpr int kVecsPerLane = (kNumVecs + kGroup - 1) / kGroup;
+  static constexpr int kQFloats = 64;
+  static constexpr int kGroup = const_min(
+      const_min(ceil_pow2(kNumVecs), WARP_SIZE),
+      const_max(const_max(PAGEDLLM_ATTN_MAX_GROUP, ceil_pow2(GQA * HEAD_SIZE / kQFloats)),
+                ceil_pow2(kNumVecs) / PAGEDLLM_ATTN_LOADS));
+  static constexpr int kVecsPerLane = ceil_pow2((kNumVecs + kGroup - 1) / kGroup);  // pow2: divides the loads
   static constexpr int kTokensPerStep = WARP_SIZE / kGroup;           // tokens per warp load
-  static constexpr int kSteps = 8 / kVecsPerLane;                     // 8 loads in flight per lane
+  static constexpr int kSteps = PAGEDLLM_ATTN_LOADS / kVecsPerLane;    // loads in flight per lane
   static constexpr int kChunk = kTokensPerStep * kSteps;              // tokens per warp chunk
   static_assert(HEAD_SIZE % kVec == 0, "head_size * sizeof(T) must be a multiple of 16 bytes");
-  static_assert(8 % kVecsPerLane == 0, "unsupported head size");
+  static_assert(kSteps >= 1 && PAGEDLLM_ATTN_LOADS % kVecsPerLane == 0, "unsupported head size");
   static_assert(kMinPartitionSize % kChunk == 0, "a partition must be a whole number of chunks");
 };
 
@@ -87,14 +109,14 @@ PL_DEVICE float warp_sum(float v) {
 // Loads STEPS x VPL 16-byte vectors of one chunk of K or V rows into registers. Vectors of masked
 // tokens (past part_end or in a block outside the cache) and padding vectors are zero.
 // valid[s] tells whether token chunk + s * TOKENS_PER_STEP + slot is a real token.
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, int GQA>
 PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int64_t token_stride,
                           int64_t head_offset, const int32_t* __restrict__ block_table,
                           int block_shift, int num_blocks, int chunk, int part_end, int slot,
-                          int glane, uint4 (&raw)[DecodeLayout<T, HEAD_SIZE>::kSteps]
-                                                 [DecodeLayout<T, HEAD_SIZE>::kVecsPerLane],
-                          bool (&valid)[DecodeLayout<T, HEAD_SIZE>::kSteps]) {
-  using L = DecodeLayout<T, HEAD_SIZE>;
+                          int glane, uint4 (&raw)[DecodeLayout<T, HEAD_SIZE, GQA>::kSteps]
+                                                 [DecodeLayout<T, HEAD_SIZE, GQA>::kVecsPerLane],
+                          bool (&valid)[DecodeLayout<T, HEAD_SIZE, GQA>::kSteps]) {
+  using L = DecodeLayout<T, HEAD_SIZE, GQA>;
   const int block_mask = (1 << block_shift) - 1;
 #pragma unroll
   for (int s = 0; s < L::kSteps; ++s) {
@@ -114,9 +136,9 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
 }
 
 template <typename T, int HEAD_SIZE, int GQA>
-__global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
+__global__ void PL_ATTN_LAUNCH_BOUNDS
     paged_attention_kernel(const PagedAttentionArgs a, int block_shift, int q_per_kv) {
-  using L = DecodeLayout<T, HEAD_SIZE>;
+  using L = DecodeLayout<T, HEAD_SIZE, GQA>;
   constexpr int VEC = L::kVec;
   constexpr int GROUP = L::kGroup;
   constexpr int VPL = L::kVecsPerLane;
@@ -194,7 +216,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
-    load_chunk<T, HEAD_SIZE>(key_cache, a.k_block_stride, a.k_token_stride, k_head_offset,
+    load_chunk<T, HEAD_SIZE, GQA>(key_cache, a.k_block_stride, a.k_token_stride, k_head_offset,
                              block_table, block_shift, a.num_blocks, chunk, part_end, slot, glane,
                              raw, valid);
 #pragma unroll
@@ -273,7 +295,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
-    load_chunk<T, HEAD_SIZE>(value_cache, a.v_block_stride, a.v_token_stride, v_head_offset,
+    load_chunk<T, HEAD_SIZE, GQA>(value_cache, a.v_block_stride, a.v_token_stride, v_head_offset,
                              block_table, block_shift, a.num_blocks, chunk, part_end, slot, glane,
                              raw, valid);
 #pragma unroll
