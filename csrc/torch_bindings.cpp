@@ -526,6 +526,8 @@ void gemv(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weigh
   check_aligned16(weight, "weight");
   check_layer_operand(out, "out", x);
   check_shape(out, "out", {m, n});
+  TORCH_CHECK(m <= 1 || out.stride(0) >= n, "gemv: the rows of out overlap (row stride ",
+              out.stride(0), " < n=", n, ")");
   check_no_overlap(out, x, "x");
   check_no_overlap(out, weight, "weight");
 

@@ -140,6 +140,7 @@ def _bad_calls(gemv: Callable[..., object],
         ("x", lambda: gemv(out, x.t().contiguous().t()[:, :64], w, b)),
         ("weight", lambda: gemv(out, x, w.t().contiguous().t(), b)),
         ("out", lambda: gemv(w[:2, :16], w[:2, :64], w, None)),  # out overlaps its inputs
+        ("out", lambda: gemv(out[:1].expand(2, 16), x, w, b)),     # rows of out overlap
     ]
 
 

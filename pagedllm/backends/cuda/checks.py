@@ -178,6 +178,8 @@ def check_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         _fail("out", f"must have shape [{m}, {n}], got {list(out.shape)}")
     if out.stride(-1) != 1:
         _fail("out", "must be contiguous in its last dimension")
+    if m > 1 and out.stride(0) < n:
+        _fail("out", f"rows overlap (row stride {out.stride(0)} < n={n})")
     _check_rows16(x, "x")
     _check_rows16(weight, "weight")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
