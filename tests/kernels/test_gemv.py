@@ -98,6 +98,20 @@ def test_gemv(request: pytest.FixtureRequest, fixture: str, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("fixture", BACKENDS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=_dtype_id)
+def test_gemv_rows_do_not_depend_on_the_batch(request: pytest.FixtureRequest, fixture: str,
+                                              dtype: torch.dtype) -> None:
+    """Row i of the output is the same bits whatever the number of rows (1-8 run four kernel
+    variants): CUDA graphs pad a decode batch to a captured size, eager mode does not."""
+    ops, device = _backend(request, fixture)
+    x, weight, bias = _inputs(GEMV_MAX_ROWS, 37, 1064, "contiguous", dtype, device, True)
+    full = ops.gemv(torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype, device=device), x, weight, bias)
+    for m in range(1, GEMV_MAX_ROWS):
+        part = ops.gemv(torch.empty(m, 37, dtype=dtype, device=device), x[:m], weight, bias)
+        assert torch.equal(part.view(torch.int16), full[:m].view(torch.int16)), f"m={m}"
+
+
+@pytest.mark.parametrize("fixture", BACKENDS)
 def test_gemv_float32_k_multiple_of_4(request: pytest.FixtureRequest, fixture: str) -> None:
     """float32 rows need only 4 elements per 16-byte vector."""
     ops, device = _backend(request, fixture)
