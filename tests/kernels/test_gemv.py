@@ -148,6 +148,7 @@ def _bad_calls(gemv: Callable[..., object],
         ("weight", lambda: gemv(out, x, w.half(), b)),
         ("bias", lambda: gemv(out, x, w, b[:8])),
         ("bias", lambda: gemv(out, x, w, b.float())),
+        ("bias", lambda: gemv(out, x, w, torch.ones(32, **bf16)[::2])),
         ("out", lambda: gemv(out[:, :8], x, w, b)),
         ("out", lambda: gemv(out.t().contiguous().t(), x, w, b)),
         ("x", lambda: gemv(out, unaligned, w, b)),            # 2-byte aligned rows

@@ -173,6 +173,8 @@ def check_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         check_float(bias, "bias", x.dtype)
         if tuple(bias.shape) != (n,):
             _fail("bias", f"must have shape [{n}], got {list(bias.shape)}")
+        if bias.stride(0) != 1:
+            _fail("bias", f"must be contiguous, got stride {bias.stride(0)}")
     check_float(out, "out", x.dtype)
     if tuple(out.shape) != (m, n):
         _fail("out", f"must have shape [{m}, {n}], got {list(out.shape)}")

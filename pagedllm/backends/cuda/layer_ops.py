@@ -32,7 +32,7 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
             and x.numel() <= GEMV_MAX_ROWS * k and x.is_contiguous() and x.data_ptr() % 16 == 0
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+            and (bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)))
 
 
 def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
