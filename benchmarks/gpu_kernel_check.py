@@ -1,23 +1,17 @@
-"""GPU check of the paged decode and gemv kernels: correctness spot checks, then speed against
-copy bandwidth.
+"""GPU check of the paged decode kernel: correctness spot check, then speed against copy bandwidth.
 
-    python benchmarks/gpu_kernel_check.py              # on the GPU machine, from the repo root
-    python benchmarks/gpu_kernel_check.py --gemv-only  # (a) and (d) only
+    python benchmarks/gpu_kernel_check.py            # on the GPU machine, from the repository root
 
 (a) device-to-device copy bandwidth (bytes read + written, median over repeats, CUDA events);
 (b) the decode kernel for batch 64, context 1024, 32 query / 8 kv heads, head 128, bf16, block 16:
     time, achieved bandwidth (K/V read once + q + out) and its fraction of (a) (target >= 70%);
-(c) a table over batch 1/8/64/256 x context 128/1024/4096;
-(d) the gemv kernel against cuBLAS (F.linear) on the Llama-3-8B linear layers (bf16) for 1, 4 and
-    8 rows: time, weight bytes per second and its fraction of (a), max abs error against a float32
-    reference; then one decode step's linears (32 layers + lm_head) for both and the floor that
-    (a) sets.
-Calls are timed inside a CUDA graph of many calls (falls back to eager timing if capture fails),
-so small shapes report GPU time rather than Python launch overhead.
+(c) a table over batch 1/8/64/256 x context 128/1024/4096.
+Decode calls are timed inside a CUDA graph of many calls (falls back to eager timing if capture
+fails), so small shapes report GPU time rather than Python launch overhead.
 
 Inputs rotate over several disjoint regions of one large cache (each region its own block tables and
-queries), and gemv weights over several copies, so that the 50 MB L2 does not serve repeated reads.
-Only torch and pagedllm.backends.cuda.ops are used.
+queries) so that the 50 MB L2 does not serve repeated reads. Only torch and
+pagedllm.backends.cuda.ops are used.
 """
 from __future__ import annotations
 
@@ -174,100 +168,10 @@ def run_decode(s: DecodeSetup, repeats: int, check: bool,
     return ms, error
 
 
-def decode_sections(copy_bw: float, repeats: int, table: bool) -> None:
-    """(b) and, with table, (c)."""
-    s = DecodeSetup(batch=64, context=1024)
-    ms, err = run_decode(s, repeats, check=True)
-    bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
-    verdict = "PASS" if bw / copy_bw >= TARGET_FRACTION and err < 2e-2 else "BELOW TARGET"
-    print(f"(b) decode bf16 batch 64 ctx 1024 heads 32/8 d128 block 16: {ms * 1e3:.1f} us, "
-          f"{bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth "
-          f"(target {100 * TARGET_FRACTION:.0f}%), max abs err vs fp32 torch {err:.2e}: {verdict}")
-
-    if table:
-        kernels = ops.load_kernels()
-        sizes = [64, 128, 256, 512, 1024]
-        print("(c) batch  context  chosen      us    TB/s  %copy   max_err | us with partition "
-              + " ".join(f"{p:>6d}" for p in sizes))
-        for batch in (1, 8, 64, 256):
-            for context in (128, 1024, 4096):
-                s = DecodeSetup(batch=batch, context=context)
-                chosen = kernels.decode_partition_size(batch, s.num_heads, s.num_kv_heads, context)
-                ms, err = run_decode(s, repeats, check=batch * context <= 64 * 4096)
-                bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
-                err_text = f"{err:9.2e}" if err == err else f"{'unchecked':>9}"  # nan: not checked
-                sweep = [run_decode(s, max(3, repeats // 3), False, p)[0] * 1e3 for p in sizes]
-                print(f"    {batch:5d} {context:8d} {chosen:7d} {ms * 1e3:7.1f} {bw / 1e12:7.2f} "
-                      f"{100 * bw / copy_bw:6.1f} {err_text} | {'':17s}"
-                      + " ".join(f"{t:6.1f}" for t in sweep))
-
-
-# Llama-3-8B linears: (name, out_features N, in_features K, calls per decode step).
-GEMV_SHAPES = (("qkv", 6144, 4096, 32), ("o_proj", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
-               ("down", 4096, 14336, 32), ("lm_head", 128256, 4096, 1))
-GEMV_ROWS = (1, 4, 8)
-
-
-def run_gemv(n: int, k: int, m: int, repeats: int) -> tuple[float, float, float, float]:
-    """(gemv ms, F.linear ms, gemv max abs err, F.linear max abs err) for bf16 x [m, k] and
-    weight [n, k]; errors against float32 torch. The weight rotates over enough copies that
-    together they are >= ROTATE_BYTES."""
-    kernels = ops.load_kernels()
-    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    copies = max(2, -(-ROTATE_BYTES // (2 * n * k)))
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    weights = [torch.randn(n, k, generator=gen, **bf16).mul_(k**-0.5) for _ in range(copies)]
-    x = torch.randn(m, k, generator=gen, **bf16)
-    out = torch.full((m, n), float("nan"), **bf16)
-    kernels.gemv(out, x, weights[1], None)
-    ref = x.float() @ weights[1].float().T
-    errors = [(y.float() - ref).abs().max().item()
-              for y in (out, torch.nn.functional.linear(x, weights[1]))]
-    del ref
-    times = []
-    for fn in (lambda i: kernels.gemv(out, x, weights[i % copies], None),
-               lambda i: torch.nn.functional.linear(x, weights[i % copies])):
-        inner = max(10, min(200, 4 * copies))
-        ms = time_graph_ms(fn, repeats, inner)
-        times.append(ms if ms is not None else time_ms(fn, repeats, inner))
-    del weights
-    torch.cuda.empty_cache()
-    return times[0], times[1], errors[0], errors[1]
-
-
-def gemv_section(copy_bw: float, repeats: int) -> None:
-    """(d): per shape and row count, then per decode step."""
-    print("(d) gemv vs cuBLAS, bf16 out = x [m, K] @ W[N, K]^T; TB/s of weight bytes, % of (a)")
-    print(f"    {'layer':8s} {'N':>6s} {'K':>6s} {'m':>2s} | {'gemv us':>8s} {'TB/s':>5s} "
-          f"{'%copy':>5s} | {'cuBLAS us':>9s} {'TB/s':>5s} {'%copy':>5s} | {'speedup':>7s} | "
-          f"{'err gemv':>8s} {'err cuBLAS':>10s}")
-    step = {m: [0.0, 0.0] for m in GEMV_ROWS}  # us per decode step: gemv, cuBLAS
-    step_bytes = sum(count * 2 * n * k for _, n, k, count in GEMV_SHAPES)
-    for name, n, k, count in GEMV_SHAPES:
-        for m in GEMV_ROWS:
-            ms_gemv, ms_cublas, err_gemv, err_cublas = run_gemv(n, k, m, repeats)
-            bw = [2 * n * k / (t * 1e-3) for t in (ms_gemv, ms_cublas)]
-            step[m][0] += count * ms_gemv * 1e3
-            step[m][1] += count * ms_cublas * 1e3
-            print(f"    {name:8s} {n:6d} {k:6d} {m:2d} | {ms_gemv * 1e3:8.1f} {bw[0] / 1e12:5.2f} "
-                  f"{100 * bw[0] / copy_bw:5.1f} | {ms_cublas * 1e3:9.1f} {bw[1] / 1e12:5.2f} "
-                  f"{100 * bw[1] / copy_bw:5.1f} | {ms_cublas / ms_gemv:6.2f}x | "
-                  f"{err_gemv:8.1e} {err_cublas:10.1e}")
-    floor_us = step_bytes / copy_bw * 1e6
-    print(f"    one decode step's linears (32 x qkv/o/gate_up/down + lm_head, "
-          f"{step_bytes / 1e9:.2f} GB): copy-bandwidth floor {floor_us:.0f} us")
-    for m, (us_gemv, us_cublas) in step.items():
-        print(f"      m={m}: gemv {us_gemv:.0f} us ({100 * floor_us / us_gemv:.1f}% of the floor's "
-              f"speed), cuBLAS {us_cublas:.0f} us ({100 * floor_us / us_cublas:.1f}%), "
-              f"speedup {us_cublas / us_gemv:.2f}x")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-table", action="store_true", help="skip (c)")
-    parser.add_argument("--gemv-only", action="store_true", help="run (a) and (d) only")
-    parser.add_argument("--no-gemv", action="store_true", help="skip (d)")
     args = parser.parse_args()
 
     ok, reason = ops.kernels_available(build=True)
@@ -279,10 +183,30 @@ def main() -> int:
     copy_bw = copy_bandwidth(args.repeats)
     print(f"(a) device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)")
 
-    if not args.gemv_only:
-        decode_sections(copy_bw, args.repeats, table=not args.no_table)
-    if not args.no_gemv:
-        gemv_section(copy_bw, args.repeats)
+    s = DecodeSetup(batch=64, context=1024)
+    ms, err = run_decode(s, args.repeats, check=True)
+    bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
+    verdict = "PASS" if bw / copy_bw >= TARGET_FRACTION and err < 2e-2 else "BELOW TARGET"
+    print(f"(b) decode bf16 batch 64 ctx 1024 heads 32/8 d128 block 16: {ms * 1e3:.1f} us, "
+          f"{bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth "
+          f"(target {100 * TARGET_FRACTION:.0f}%), max abs err vs fp32 torch {err:.2e}: {verdict}")
+
+    if not args.no_table:
+        kernels = ops.load_kernels()
+        sizes = [64, 128, 256, 512, 1024]
+        print("(c) batch  context  chosen      us    TB/s  %copy   max_err | us with partition "
+              + " ".join(f"{p:>6d}" for p in sizes))
+        for batch in (1, 8, 64, 256):
+            for context in (128, 1024, 4096):
+                s = DecodeSetup(batch=batch, context=context)
+                chosen = kernels.decode_partition_size(batch, s.num_heads, s.num_kv_heads, context)
+                ms, err = run_decode(s, args.repeats, check=batch * context <= 64 * 4096)
+                bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
+                err_text = f"{err:9.2e}" if err == err else f"{'unchecked':>9}"  # nan: not checked
+                sweep = [run_decode(s, max(3, args.repeats // 3), False, p)[0] * 1e3 for p in sizes]
+                print(f"    {batch:5d} {context:8d} {chosen:7d} {ms * 1e3:7.1f} {bw / 1e12:7.2f} "
+                      f"{100 * bw / copy_bw:6.1f} {err_text} | {'':17s}"
+                      + " ".join(f"{t:6.1f}" for t in sweep))
     return 0
 
 

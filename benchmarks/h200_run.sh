@@ -3,7 +3,6 @@
 #
 #   bash benchmarks/h200_run.sh tests        # JIT-build csrc/, tests/kernels, cuda backend tests
 #   bash benchmarks/h200_run.sh kernel       # decode kernel vs copy bandwidth
-#   bash benchmarks/h200_run.sh gemv         # gemv vs cuBLAS on the Llama-3-8B linears
 #   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh conformance  # the porting kit's suite with --device cuda
@@ -34,7 +33,7 @@ model() {
     --dtype bfloat16
 }
 
-case "${1:?stage: tests|kernel|gemv|throughput|latency|conformance|profile}" in
+case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
   tests)
     env_report
     /usr/bin/time -f "kernel build %e s" python -c \
@@ -45,10 +44,7 @@ case "${1:?stage: tests|kernel|gemv|throughput|latency|conformance|profile}" in
       --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
     ;;
   kernel)
-    python benchmarks/gpu_kernel_check.py --no-gemv 2>&1 | tee "$OUT/kernel_check.log"
-    ;;
-  gemv)
-    python benchmarks/gpu_kernel_check.py --gemv-only 2>&1 | tee "$OUT/gemv_check.log"
+    python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"
     ;;
   throughput)
     model

@@ -5,8 +5,7 @@
 //   * host part (always): runtime API names (streams, errors, memcpy). Safe to include from a plain
 //     C++ translation unit such as torch_bindings.cpp.
 //   * device part (only under nvcc / hipcc): 16-bit float types, warp shuffles, WARP_SIZE, inline
-//     qualifiers, cache-hinted loads. The conversion helpers built on top of it live in
-//     dtype_convert.cuh.
+//     qualifiers. The conversion helpers built on top of it live in dtype_convert.cuh.
 //
 // Under PAGEDLLM_SIMT_EMU (the CPU test harness, tests/kernels/simt_emu/simt_emu.h, force-included
 // before this file) neither part is used: the emulator supplies the same names.
@@ -81,26 +80,6 @@ PL_DEVICE float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
   return __shfl_xor(value, lane_mask, width);
 #else
   return __shfl_xor_sync(0xffffffffu, value, lane_mask, width);
-#endif
-}
-
-// 16-byte global loads with a cache hint. pl_load_stream: data read once (a GEMV's weight rows),
-// loaded evict-first (ld.global.cs) so that it does not push reused data out of L1/L2;
-// pl_load_readonly: data that many warps read (a GEMV's x rows), through the read-only cache
-// (ld.global.nc). HIP: plain loads.
-PL_DEVICE uint4 pl_load_stream(const uint4* ptr) {
-#if defined(USE_ROCM)
-  return *ptr;
-#else
-  return __ldcs(ptr);
-#endif
-}
-
-PL_DEVICE uint4 pl_load_readonly(const uint4* ptr) {
-#if defined(USE_ROCM)
-  return *ptr;
-#else
-  return __ldg(ptr);
 #endif
 }
 

@@ -51,13 +51,6 @@ PL_DEVICE void vec16_to_float<pl_half>(const uint4& raw, float* out) {
   halfx2_to_float(raw.w, out + 6);
 }
 
-// Scalar load of one element of storage type T as a float.
-PL_DEVICE float load_scalar(const float* p) { return *p; }
-PL_DEVICE float load_scalar(const pl_half* p) { return __half2float(*p); }
-PL_DEVICE float load_scalar(const pl_bf16* p) {
-  return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
-}
-
 // Round-to-nearest-even float -> bfloat16 bits; NaN stays NaN.
 PL_DEVICE uint16_t float_to_bf16_bits(float value) {
   uint32_t bits = pl_float_as_uint(value);

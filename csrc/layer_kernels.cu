@@ -22,6 +22,12 @@ constexpr int kThreads = 256;
 
 // ---- element access ---------------------------------------------------------------------------
 
+PL_DEVICE float load_scalar(const float* p) { return *p; }
+PL_DEVICE float load_scalar(const pl_half* p) { return __half2float(*p); }
+PL_DEVICE float load_scalar(const pl_bf16* p) {
+  return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+}
+
 // N consecutive elements at p as floats; N is 1 or Vec16<T>::kElems (p then 16-byte aligned).
 template <typename T, int N>
 PL_DEVICE void load(const T* p, float (&out)[N]) {

@@ -1,6 +1,6 @@
 // Torch-free launcher API of the pagedllm kernels. Implemented in paged_attention.cu,
-// cache_kernels.cu, layer_kernels.cu and gemv_kernels.cu; called from torch_bindings.cpp (the only
-// file that knows about torch).
+// cache_kernels.cu and layer_kernels.cu; called from torch_bindings.cpp (the only file that knows
+// about torch).
 //
 // Conventions: pointers are raw device pointers (host pointers where stated), strides are in
 // ELEMENTS of the tensor's dtype, the last dimension of every tensor is contiguous, and every
@@ -221,30 +221,5 @@ struct SiluAndMulArgs {
 
 // out = round(silu(gate)) * up, silu(g) = g / (1 + exp(-g)).
 cudaError_t launch_silu_and_mul(const SiluAndMulArgs& args, cudaStream_t stream);
-
-// ---------------------------------------------------------------------------------------------
-// Small-M GEMV (gemv_kernels.cu): the decode batch's linear layers, bound by reading the weight.
-// ---------------------------------------------------------------------------------------------
-
-// Rows of x one launch takes (the kernel is compiled for 1, 2, 4 and 8 rows).
-constexpr int kGemvMaxRows = 8;
-
-struct GemvArgs {
-  ScalarType dtype;               // of every tensor
-  void* out;                      // [m, n]
-  int64_t out_stride;
-  const void* x;                  // [m, k]
-  int64_t x_stride;
-  const void* weight;             // [n, k] (F.linear's layout)
-  int64_t weight_stride;
-  const void* bias;               // [n], contiguous; or nullptr (no bias)
-  int m;                          // 0 <= m <= kGemvMaxRows
-  int n;
-  int k;                          // a multiple of the 16-byte vector: 8 half/bfloat16, 4 float
-};
-
-// out = x @ weight^T (+ bias), accumulated in float and rounded once to the dtype. x and weight
-// (pointers and row strides) must be 16-byte aligned; returns cudaErrorInvalidValue otherwise.
-cudaError_t launch_gemv(const GemvArgs& args, cudaStream_t stream);
 
 }  // namespace pagedllm

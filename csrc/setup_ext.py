@@ -23,7 +23,6 @@ EXTENSION_NAME = "pagedllm._C"
 # The binding (torch glue) plus the torch-free kernel files.
 SOURCE_FILES = (
     "torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu",
-    "gemv_kernels.cu",
 )
 DEFAULT_CUDA_ARCH = "9.0"
 TARGETS = ("cuda", "rocm", "cpu")

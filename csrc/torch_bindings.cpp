@@ -11,9 +11,7 @@
 //   * layout: last dim contiguous, 16-byte aligned pointers and strides for paged_attention;
 //   * layer ops (rms_norm, rotary, silu_and_mul): every operand on x's device with x's dtype, the
 //     shapes of ops.h, an even head size / gate-up width, eps finite and >= 0;
-//   * block ids of swap_blocks (mapping on CPU) and of copy_blocks when its mapping is on CPU;
-//   * gemv: at most kGemvMaxRows rows of x, k a whole number of 16-byte vectors, x and weight
-//     16-byte aligned, out [m, n] not overlapping an input.
+//   * block ids of swap_blocks (mapping on CPU) and of copy_blocks when its mapping is on CPU.
 // What is NOT checked on the host (it would need a device sync); the kernels enforce it instead:
 //   * slot_mapping values: negative = padding, >= num_blocks * block_size is skipped (never written);
 //   * block_tables values: an entry outside [0, num_blocks) masks its tokens (never read);
@@ -21,7 +19,6 @@
 //   * copy_blocks mapping on device: pairs with an id outside [0, num_blocks) are skipped.
 #include <torch/extension.h>
 
-#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -496,68 +493,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
-// ---- gemv: the caller's output ----------------------------------------------------------------
-
-void check_no_overlap(const torch::Tensor& out, const torch::Tensor& input, const char* name) {
-  const at::MemOverlapStatus status = at::get_overlap_status(out, input);
-  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-              "gemv: out must not overlap ", name, " (the kernel reads ", name, " while writing out)");
-}
-
-void gemv(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-          const c10::optional<torch::Tensor>& bias) {
-  check_cuda(x, "x", x.device());
-  const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [m, k], got ", x.sizes());
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m <= pagedllm::kGemvMaxRows, "gemv: x has ", m, " rows; at most ",
-              pagedllm::kGemvMaxRows, " (use F.linear for more)");
-  const int64_t vec = 16 / x.element_size();
-  TORCH_CHECK(k % vec == 0, "gemv: k=", k, " must be a multiple of ", vec, " for ",
-              x.scalar_type(), " (16-byte vectors)");
-  check_layer_operand(weight, "weight", x);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k, "weight must be [n, k=", k, "], got ",
-              weight.sizes());
-  const int64_t n = weight.size(0);
-  TORCH_CHECK(n <= INT32_MAX && k <= INT32_MAX, "gemv: n and k must be below 2^31, got weight ",
-              weight.sizes());
-  check_last_dim_contiguous(x, "x");
-  check_aligned16(x, "x");
-  check_aligned16(weight, "weight");
-  check_layer_operand(out, "out", x);
-  check_shape(out, "out", {m, n});
-  TORCH_CHECK(m <= 1 || out.stride(0) >= n, "gemv: the rows of out overlap (row stride ",
-              out.stride(0), " < n=", n, ")");
-  check_no_overlap(out, x, "x");
-  check_no_overlap(out, weight, "weight");
-
-  pagedllm::GemvArgs a{};
-  if (bias.has_value()) {
-    check_layer_operand(*bias, "bias", x);
-    check_shape(*bias, "bias", {n});
-    check_no_overlap(out, *bias, "bias");
-    a.bias = bias->data_ptr();
-  }
-  a.dtype = dtype;
-  a.out = out.data_ptr();
-  a.out_stride = out.stride(0);
-  a.x = x.data_ptr();
-  a.x_stride = x.stride(0);
-  a.weight = weight.data_ptr();
-  a.weight_stride = weight.stride(0);
-  a.m = static_cast<int>(m);
-  a.n = static_cast<int>(n);
-  a.k = static_cast<int>(k);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(pagedllm::launch_gemv(a, current_stream(x)), "gemv");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm CUDA/ROCm kernels: paged decode attention, KV-cache maintenance, layer ops, "
-            "small-M gemv";
+  m.doc() = "pagedllm CUDA/ROCm kernels: paged decode attention, KV-cache maintenance, layer ops";
   m.attr("MIN_PARTITION_SIZE") = pagedllm::kMinPartitionSize;
   m.attr("MAX_PARTITION_SIZE") = pagedllm::kMaxPartitionSize;
   m.def("decode_partition_size", &pagedllm::paged_attention_partition_size,
@@ -585,10 +524,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Neox rotary embedding of x [num_tokens, num_heads, head_size] with cos/sin "
         "[num_tokens, head_size]; returns a contiguous tensor.",
         py::arg("x"), py::arg("cos"), py::arg("sin"));
-  m.attr("GEMV_MAX_ROWS") = pagedllm::kGemvMaxRows;
-  m.def("gemv", &gemv,
-        "out [m, n] = x [m, k] @ weight [n, k]^T (+ bias [n]) for m <= GEMV_MAX_ROWS; fills out.",
-        py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul,
         "silu(x[:, :I]) * x[:, I:] for x [num_tokens, 2 * I]; returns [num_tokens, I].",
         py::arg("x"));

@@ -22,7 +22,7 @@ _HERE = Path(__file__).resolve().parent
 _EMU_DIR = _HERE / "simt_emu"
 _CSRC = _HERE.parents[1] / "csrc"
 _UNITS = (_CSRC / "paged_attention.cu", _CSRC / "cache_kernels.cu", _CSRC / "layer_kernels.cu",
-          _CSRC / "gemv_kernels.cu", _EMU_DIR / "emu_entry.cpp")
+          _EMU_DIR / "emu_entry.cpp")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _lib: ctypes.CDLL | None = None
 
@@ -210,16 +210,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rc = lib.emu_silu_and_mul(ctypes.c_int(_DTYPES[x.dtype]), _ptr(out), _ptr(x),
                               *_i64(x.stride(0)), ctypes.c_int(num_tokens), ctypes.c_int(width // 2))
     _check(lib, rc, "silu_and_mul")
-    return out
-
-
-def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out [m, n] = x [m, k] @ weight [n, k]^T (+ bias); fills and returns out (as ops.gemv)."""
-    lib = _load()
-    m, k = x.shape
-    rc = lib.emu_gemv(ctypes.c_int(_DTYPES[x.dtype]), _ptr(out), *_i64(out.stride(0)), _ptr(x),
-                      *_i64(x.stride(0)), _ptr(weight), *_i64(weight.stride(0)), _ptr(bias),
-                      ctypes.c_int(m), ctypes.c_int(weight.shape[0]), ctypes.c_int(k))
-    _check(lib, rc, "gemv")
     return out

@@ -270,14 +270,14 @@ def test_register_ops_keeps_the_reference_without_kernels(monkeypatch: pytest.Mo
     def registered(backend: CudaBackend) -> list[str]:
         ops = Ops()
         backend.register_ops(ops)
-        return [n for n in ("rms_norm", "rotary", "silu_and_mul", "linear")
+        return [n for n in ("rms_norm", "rotary", "silu_and_mul")
                 if getattr(ops, n) is not getattr(reference, n)]
 
     monkeypatch.setattr(kernel_ops, "kernels_available", lambda build=False: (False, "test"))
     assert registered(CudaBackend()) == []
     monkeypatch.setattr(kernel_ops, "kernels_available", lambda build=False: (True, "test"))
     monkeypatch.setattr(kernel_ops, "load_kernels", lambda: emu_ops)
-    assert registered(CudaBackend()) == ["rms_norm", "rotary", "silu_and_mul", "linear"]
+    assert registered(CudaBackend()) == ["rms_norm", "rotary", "silu_and_mul"]
     opted_out = CudaBackend()
     opted_out.layer_kernels = False  # what check_and_update_config sets for attention_backend=torch
     assert registered(opted_out) == []

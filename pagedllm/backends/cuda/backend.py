@@ -1,4 +1,4 @@
-"""The cuda backend: csrc/ attention, cache, layer and gemv kernels; CUDA graphs for decode."""
+"""The cuda backend: csrc/ paged-attention, cache and layer kernels, CUDA graphs for decode."""
 from __future__ import annotations
 
 import logging
@@ -83,10 +83,9 @@ class CudaBackend(Backend):
                          "allowed: kernels, torch")
 
     def register_ops(self, ops: Ops) -> None:
-        """rms_norm, rotary, silu_and_mul and linear (gemv for decode batches of at most 8 rows)
-        on the csrc/ kernels for float16/bfloat16 (float32 keeps the torch reference, which
-        matches transformers exactly). Without the kernels (attention_backend="torch", or they
-        cannot be loaded) the torch references stay."""
+        """rms_norm, rotary and silu_and_mul on the csrc/ layer kernels for float16/bfloat16
+        (float32 keeps the torch reference, which matches transformers exactly). Without the
+        kernels (attention_backend="torch", or they cannot be loaded) the torch references stay."""
         if not self.layer_kernels:
             return
         from pagedllm.backends.cuda import ops as kernel_ops
@@ -94,8 +93,8 @@ class CudaBackend(Backend):
 
         ok, reason = kernel_ops.kernels_available(build=True)
         if not ok:
-            logger.warning("the csrc/ layer kernels are unavailable (%s); rms_norm, rotary, "
-                           "silu_and_mul and linear run the torch reference ops", reason)
+            logger.warning("the csrc/ layer kernels are unavailable (%s); rms_norm, rotary and "
+                           "silu_and_mul run the torch reference ops", reason)
             return
         for name, fn in layer_ops(kernel_ops.load_kernels()).items():
             ops.register(name, fn)

@@ -10,7 +10,6 @@ import torch
 
 HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 BLOCK_SIZES = (16, 32)
-GEMV_ROWS = 8  # rows of x the gemv kernel takes (csrc/ops.h kGemvMaxRows)
 
 
 class KernelArgumentError(ValueError, RuntimeError):
@@ -127,68 +126,3 @@ def check_layer_caches(key_caches: list[torch.Tensor], value_caches: list[torch.
         if c.shape != ref.shape or c.stride() != ref.stride():
             _fail(f"caches[{i}]", "must have the same shape and strides as the first key cache "
                                   f"({list(ref.shape)}), got {list(c.shape)}")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b are on one device and the byte ranges they span intersect (a conservative
-    aliasing test)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    spans = []
-    for t in (a, b):
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
-    (a0, a1), (b0, b1) = spans
-    return a0 < b1 and b0 < a1
-
-
-def _check_rows16(t: torch.Tensor, name: str) -> None:
-    """Last dim contiguous, data pointer and row stride 16-byte aligned (16-byte vector loads)."""
-    if t.stride(-1) != 1:
-        _fail(name, f"must be contiguous in its last dimension, got strides {list(t.stride())}")
-    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-        _fail(name, f"must be 16-byte aligned (data pointer and row stride {t.stride(0)}); "
-                    "make it contiguous")
-
-
-def check_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> None:
-    """out [m, n] = x [m, k] @ weight [n, k]^T + bias [n]: m <= GEMV_ROWS, k a whole number of
-    16-byte vectors. The device is checked last, so CPU tensors exercise the other checks."""
-    check_float(x, "x")
-    if x.dim() != 2:
-        _fail("x", f"must be [m, k], got shape {list(x.shape)}")
-    m, k = x.shape
-    if m > GEMV_ROWS:
-        _fail("x", f"has {m} rows; gemv takes at most {GEMV_ROWS} (use F.linear for more)")
-    vec = 16 // x.element_size()
-    if k % vec:
-        raise KernelArgumentError(f"k={k} (the last dim of x and weight) must be a multiple of "
-                                  f"{vec} for {x.dtype} (16-byte vectors)")
-    check_float(weight, "weight", x.dtype)
-    if weight.dim() != 2 or weight.shape[1] != k:
-        _fail("weight", f"must be [n, k={k}], got shape {list(weight.shape)}")
-    n = weight.shape[0]
-    if bias is not None:
-        check_float(bias, "bias", x.dtype)
-        if tuple(bias.shape) != (n,):
-            _fail("bias", f"must have shape [{n}], got {list(bias.shape)}")
-        if bias.stride(0) != 1:
-            _fail("bias", f"must be contiguous, got stride {bias.stride(0)}")
-    check_float(out, "out", x.dtype)
-    if tuple(out.shape) != (m, n):
-        _fail("out", f"must have shape [{m}, {n}], got {list(out.shape)}")
-    if out.stride(-1) != 1:
-        _fail("out", "must be contiguous in its last dimension")
-    if m > 1 and out.stride(0) < n:
-        _fail("out", f"rows overlap (row stride {out.stride(0)} < n={n})")
-    _check_rows16(x, "x")
-    _check_rows16(weight, "weight")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and _overlap(out, t):
-            _fail("out", f"must not overlap {name} (the kernel reads {name} while writing out)")
-    if x.device.type != "cuda":
-        _fail("x", f"must be a CUDA tensor, got device {x.device}")
-    for name, t in (("weight", weight), ("bias", bias), ("out", out)):
-        if t is not None:
-            check_device(t, name, x.device)

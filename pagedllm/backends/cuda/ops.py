@@ -8,8 +8,7 @@ heavy: torch and the extension are loaded by the first call.
 KV-cache layout (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_size];
 key_cache = kv_cache[0], value_cache = kv_cache[1]; any layout with a contiguous last dim works.
 Layer ops (rms_norm, rotary, silu_and_mul) return new contiguous tensors; their inputs may be
-strided views with a contiguous last dim. gemv fills a given output (the linear layers of a decode
-batch of at most 8 rows).
+strided views with a contiguous last dim.
 """
 from __future__ import annotations
 
@@ -322,18 +321,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise KernelArgumentError(f"x must have an even last dimension (gate, then up), got "
                                   f"{x.shape[1]}")
     return load_kernels().silu_and_mul(x)
-
-
-def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out [m, n] = x [m, k] @ weight [n, k]^T (+ bias [n]) for m <= 8; fills and returns out.
-
-    F.linear for a decode batch: the weight streams from memory once, accumulation is in float32,
-    each output is rounded once. k must be a multiple of 16 bytes' worth of elements (8 for
-    float16/bfloat16, 4 for float32); x and weight rows 16-byte aligned with a contiguous last dim.
-    """
-    from pagedllm.backends.cuda.checks import check_gemv
-
-    check_gemv(out, x, weight, bias)
-    load_kernels().gemv(out, x, weight, bias)
-    return out

@@ -165,21 +165,4 @@ int emu_silu_and_mul(int dtype, void* out, const void* x, int64_t x_s0, int num_
   return static_cast<int>(pagedllm::launch_silu_and_mul(a, nullptr));
 }
 
-int emu_gemv(int dtype, void* out, int64_t out_s0, const void* x, int64_t x_s0, const void* weight,
-             int64_t w_s0, const void* bias, int m, int n, int k) {
-  pagedllm::GemvArgs a{};
-  a.dtype = static_cast<ScalarType>(dtype);
-  a.out = out;
-  a.out_stride = out_s0;
-  a.x = x;
-  a.x_stride = x_s0;
-  a.weight = weight;
-  a.weight_stride = w_s0;
-  a.bias = bias;
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  return static_cast<int>(pagedllm::launch_gemv(a, nullptr));
-}
-
 }  // extern "C"

@@ -289,9 +289,6 @@ inline float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
 inline float pl_fmul_rn(float a, float b) { return a * b; }
 inline float pl_fadd_rn(float a, float b) { return a + b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// Cache hints do not exist on the CPU: plain loads.
-inline uint4 pl_load_stream(const uint4* ptr) { return *ptr; }
-inline uint4 pl_load_readonly(const uint4* ptr) { return *ptr; }
 
 inline cudaError_t cudaGetLastError() {
   return simt::g_error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
