@@ -20,7 +20,6 @@ logger = logging.getLogger("peers")
 
 Spec = dict[str, Any]
 Result = dict[str, Any]
-WARMUP_TOKENS = 16
 
 
 def _resolve_device(device: str) -> str:
@@ -35,11 +34,10 @@ def _generate_vllm_api(llm: Any, params_cls: Any, spec: Spec) -> tuple[float, fl
     """Warm up, then time ``llm.generate`` over all prompts with the vLLM offline API."""
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     n = spec["output_len"]
-    warm = params_cls(temperature=0.0, max_tokens=min(n, WARMUP_TOKENS), ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts[: spec["warmup_prompts"]], warm, use_tqdm=False)
-    warmup_s = time.perf_counter() - start
     params = params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
+    start = time.perf_counter()  # full warm-up: every sequence length of the timed run, met once
+    llm.generate(prompts[: spec["warmup_prompts"]], params, use_tqdm=False)
+    warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed_s = time.perf_counter() - start
@@ -120,7 +118,8 @@ def run_hf(spec: Spec) -> Result:
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
     pad = pad[0] if isinstance(pad, list) else pad
     start = time.perf_counter()
-    _hf_generate(model, prompts[: spec["warmup_prompts"]], min(n, WARMUP_TOKENS), batch, pad)
+    # full warm-up (all n tokens): no sequence length is met for the first time while timed
+    _hf_generate(model, prompts[: spec["warmup_prompts"]], n, batch, pad)
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     token_ids = _hf_generate(model, prompts, n, batch, pad)
