@@ -23,6 +23,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "oot: creating $VENV (system site packages visible)"
   # no pip of its own: the base environment's pip module is importable and installs here
   "$PY" -m venv --system-site-packages --without-pip "$VENV"
+  # --system-site-packages shows the base interpreter's packages only; when $PY is itself a venv
+  # (a developer's run of .ci/run), its site-packages (.pth files included) are added this way
+  VSITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    | sed "s|.*|import site; site.addsitedir('&')|" > "$VSITE/_pagedllm_outer_env.pth"
 fi
 VPY="$VENV/bin/python"
 "$VPY" -c "import pagedllm, torch" || {
