@@ -109,6 +109,32 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def adopt_orphans() -> None:
+    """Make this process the child subreaper (Linux): a process an engine leaves behind (vLLM's
+    engine core outlives its parent's wait) is reparented here, so once reaped its CPU time counts
+    as the engine's in RUSAGE_CHILDREN rather than as other load."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def reap_orphans(timeout_s: float = 10.0) -> None:
+    """Reap adopted descendants, waiting up to ``timeout_s`` for those still exiting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no children left
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+
 def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
               env: dict[str, str]) -> dict[str, Any]:
     """Run ``_peers.py`` for ``spec`` under ``python``; its output goes to log_dir/name.log."""
@@ -124,6 +150,7 @@ def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
         proc = subprocess.run([python, str(BENCH_DIR / "_peers.py"), str(spec_path),
                                str(result_path)], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=REPO_ROOT)
+    reap_orphans()
     wall = time.perf_counter() - start
     # cores kept busy by processes other than this engine (another build or test on the box)
     others = (cpu_busy_seconds() - busy - (children_cpu_seconds() - own)) / wall
@@ -265,6 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args = parse_args(argv)
+    adopt_orphans()
     backends = parse_backends(args.backend)
     args.model = (args.model or default_model(args.seed)).resolve()
     config = load_model_config(args.model)
