@@ -43,14 +43,6 @@ constexpr int kAttnWarps = PAGEDLLM_ATTN_WARPS;
 #ifndef PAGEDLLM_ATTN_MAX_GROUP  // most lanes that share one token row (a tuning knob)
 #define PAGEDLLM_ATTN_MAX_GROUP 8  // H200, bf16 d128 GQA 4: 8 lanes 77.6% of copy BW, 16 lanes 60%
 #endif
-#ifndef PAGEDLLM_ATTN_MIN_BLOCKS  // resident blocks per SM the registers must allow (tuning knob)
-#define PAGEDLLM_ATTN_MIN_BLOCKS 0  // 0: no bound beyond the block size
-#endif
-#if PAGEDLLM_ATTN_MIN_BLOCKS > 0 && !defined(USE_ROCM)
-#define PL_ATTN_LAUNCH_BOUNDS __launch_bounds__(PAGEDLLM_ATTN_WARPS * WARP_SIZE, PAGEDLLM_ATTN_MIN_BLOCKS)
-#else
-#define PL_ATTN_LAUNCH_BOUNDS PL_LAUNCH_BOUNDS(PAGEDLLM_ATTN_WARPS * WARP_SIZE)
-#endif
 constexpr int kAttnThreads = kAttnWarps * WARP_SIZE;
 constexpr int kReduceThreads = 128;
 
@@ -71,7 +63,8 @@ struct DecodeLayout {
       const_min(ceil_pow2(kNumVecs), WARP_SIZE),
       const_max(const_max(PAGEDLLM_ATTN_MAX_GROUP, ceil_pow2(GQA * HEAD_SIZE / kQFloats)),
                 ceil_pow2(kNumVecs) / PAGEDLLM_ATTN_LOADS));
-  static constexpr int kVecsPerLane = ceil_pow2((kNumVecs + kGroup - 1) / kGroup);  // pow2: divides the loads
+  // a power of two, so that it divides PAGEDLLM_ATTN_LOADS
+  static constexpr int kVecsPerLane = ceil_pow2((kNumVecs + kGroup - 1) / kGroup);
   static constexpr int kTokensPerStep = WARP_SIZE / kGroup;           // tokens per warp load
   static constexpr int kSteps = PAGEDLLM_ATTN_LOADS / kVecsPerLane;    // loads in flight per lane
   static constexpr int kChunk = kTokensPerStep * kSteps;              // tokens per warp chunk
@@ -136,7 +129,7 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
 }
 
 template <typename T, int HEAD_SIZE, int GQA>
-__global__ void PL_ATTN_LAUNCH_BOUNDS
+__global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     paged_attention_kernel(const PagedAttentionArgs a, int block_shift, int q_per_kv) {
   using L = DecodeLayout<T, HEAD_SIZE, GQA>;
   constexpr int VEC = L::kVec;
@@ -216,9 +209,9 @@ __global__ void PL_ATTN_LAUNCH_BOUNDS
   for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
-    load_chunk<T, HEAD_SIZE, GQA>(key_cache, a.k_block_stride, a.k_token_stride, k_head_offset,
-                             block_table, block_shift, a.num_blocks, chunk, part_end, slot, glane,
-                             raw, valid);
+    load_chunk<T, HEAD_SIZE, GQA>(key_cache, a.k_block_stride, a.k_token_stride,
+                                  k_head_offset, block_table, block_shift, a.num_blocks, chunk,
+                                  part_end, slot, glane, raw, valid);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       float dot[GQA];
@@ -295,9 +288,9 @@ __global__ void PL_ATTN_LAUNCH_BOUNDS
   for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
-    load_chunk<T, HEAD_SIZE, GQA>(value_cache, a.v_block_stride, a.v_token_stride, v_head_offset,
-                             block_table, block_shift, a.num_blocks, chunk, part_end, slot, glane,
-                             raw, valid);
+    load_chunk<T, HEAD_SIZE, GQA>(value_cache, a.v_block_stride, a.v_token_stride,
+                                  v_head_offset, block_table, block_shift, a.num_blocks, chunk,
+                                  part_end, slot, glane, raw, valid);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       if (!valid[s]) continue;  // p is 0 (or the token is past the end); its row was not loaded
