@@ -172,6 +172,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-table", action="store_true", help="skip (c)")
+    parser.add_argument("--shapes", help="instead of (c): BATCH:CONTEXT,... timed at the kernel's "
+                        "own partition only (a quick sweep, e.g. 1:128,256:128,64:1024)")
     args = parser.parse_args()
 
     ok, reason = ops.kernels_available(build=True)
@@ -191,7 +193,15 @@ def main() -> int:
           f"{bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth "
           f"(target {100 * TARGET_FRACTION:.0f}%), max abs err vs fp32 torch {err:.2e}: {verdict}")
 
-    if not args.no_table:
+    if args.shapes:
+        print("(c) batch  context      us  %copy   max_err")
+        for shape in args.shapes.split(","):
+            batch, context = (int(v) for v in shape.split(":"))
+            s = DecodeSetup(batch=batch, context=context)
+            ms, err = run_decode(s, args.repeats, check=batch * context <= 64 * 4096)
+            bw = (s.kv_bytes + s.qo_bytes) / (ms * 1e-3)
+            print(f"    {batch:5d} {context:8d} {ms * 1e3:7.1f} {100 * bw / copy_bw:6.1f} {err:9.2e}")
+    elif not args.no_table:
         kernels = ops.load_kernels()
         sizes = [64, 128, 256, 512, 1024]
         print("(c) batch  context  chosen      us    TB/s  %copy   max_err | us with partition "

@@ -2,6 +2,7 @@
 # The H200 runs recorded in RESULTS.md, in stages that each fit one 10-minute device call:
 #
 #   bash benchmarks/h200_run.sh tests        # JIT-build csrc/, tests/kernels, cuda backend tests
+#                                            # (+ the Triton sampling kernel's)
 #   bash benchmarks/h200_run.sh kernel       # decode kernel vs copy bandwidth
 #   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
@@ -41,7 +42,7 @@ case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
     timeout 280 python -m pytest -q -p no:cacheprovider tests/kernels -k "not emulated" \
       -x --durations=5 2>&1 | tee "$OUT/kernels.log" | tail -15
     timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_backend.py \
-      --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
+      tests/backends/test_triton_sampling.py --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
     ;;
   kernel)
     python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"

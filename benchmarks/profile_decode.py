@@ -1,5 +1,6 @@
 """Where a decode step's time goes: wall ms per engine step at a batch size, a cProfile of the
-engine's Python work, and (with --gpu-table) torch.profiler's per-kernel GPU time.
+engine's Python work, with --gpu-table torch.profiler's per-kernel GPU time, and with --timeline
+the GPU timeline of a few steps: time per kernel class and the idle gaps between kernels.
 
     python benchmarks/profile_decode.py --model .carry/llama3-8b-shape --load-format dummy \\
         --device cuda --dtype bfloat16 --batch 256 --batch 1 --gpu-table
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpu-table", action="store_true")
+    p.add_argument("--timeline", action="store_true")
     p.add_argument("--disable-async-output-proc", action="store_true",
                    help="wait for each step before scheduling the next (the engine's plain path)")
     args = p.parse_args()
@@ -85,8 +87,57 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as gpu:
                 timed(5)
             print(gpu.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        if args.timeline and torch.cuda.is_available():
+            print(f"batch {batch}: GPU timeline of 5 steps\n{gpu_timeline(lambda: timed(5), 5)}")
         while engine.has_unfinished_requests():
             engine.step()
+
+
+# kernel name fragment -> class, first match wins
+KERNEL_CLASSES = [("splitKreduce", "split-K reduce"), ("paged_attention_reduce", "attention reduce"),
+                  ("paged_attention", "attention"), ("reshape_and_cache", "cache write"),
+                  ("rotary", "rotary"), ("rms_norm", "rms_norm"), ("silu", "silu_and_mul"),
+                  ("gemm", "GEMM"), ("gemv", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
+                  ("xmma", "GEMM")]
+
+
+def gpu_timeline(run, steps: int) -> str:
+    """Runs ``run`` under torch.profiler and tabulates its CUDA kernels: per class the count and
+    time per step, and the idle time between consecutive kernels charged to the kernel after it."""
+    import json
+    import tempfile
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return "no kernels recorded"
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, busy us, gap us
+    end = kernels[0]["ts"]
+    for k in kernels:
+        name = k["name"]
+        cls = next((c for frag, c in KERNEL_CLASSES if frag in name), name[:40])
+        gap = max(0.0, k["ts"] - end)
+        row = rows[cls]
+        row[0] += 1
+        row[1] += k["dur"]
+        row[2] += gap if gap < 1000 else 0.0  # a step boundary's host wait is not a kernel gap
+        end = max(end, k["ts"] + k["dur"])
+    span = (end - kernels[0]["ts"]) / steps
+    lines = [f"{'class':40s} {'per step':>8s} {'busy us':>9s} {'gap before us':>13s}"]
+    for cls, (n, busy, gap) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{cls:40s} {n / steps:8.1f} {busy / steps:9.1f} {gap / steps:13.1f}")
+    busy = sum(r[1] for r in rows.values()) / steps
+    gaps = sum(r[2] for r in rows.values()) / steps
+    lines.append(f"{'total':40s} {sum(r[0] for r in rows.values()) / steps:8.1f} {busy:9.1f} "
+                 f"{gaps:13.1f}   (first to last kernel: {span:.1f} us per step)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,16 @@ void launch_decode(const PagedAttentionArgs& a, int block_shift, int q_per_kv, i
                    cudaStream_t stream) {
   const int chunks_per_kv = (q_per_kv + GQA - 1) / GQA;
   const dim3 grid(a.num_kv_heads * chunks_per_kv, a.num_seqs, num_partitions);
-  launch_kernel(paged_attention_kernel<T, HEAD_SIZE, GQA>, grid, dim3(kAttnThreads), stream, a,
-                block_shift, q_per_kv);
+  const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  const bool narrow = a.warps == 0 ? paged_attention_narrow_blocks(blocks, a.partition_size)
+                                   : a.warps == kAttnWarpsNarrow;
+  if (narrow) {
+    launch_kernel(paged_attention_kernel<T, HEAD_SIZE, GQA, kAttnWarpsNarrow>, grid,
+                  dim3(kAttnWarpsNarrow * WARP_SIZE), stream, a, block_shift, q_per_kv);
+  } else {
+    launch_kernel(paged_attention_kernel<T, HEAD_SIZE, GQA, kAttnWarps>, grid,
+                  dim3(kAttnWarps * WARP_SIZE), stream, a, block_shift, q_per_kv);
+  }
   if (num_partitions > 1) {
     const dim3 reduce_grid(a.num_heads, a.num_seqs);
     launch_kernel(paged_attention_reduce_kernel<T>, reduce_grid, dim3(kReduceThreads), stream, a,
@@ -66,6 +74,9 @@ cudaError_t launch_paged_attention(const PagedAttentionArgs& a, cudaStream_t str
     return cudaErrorInvalidValue;
   }
   if (!paged_attention_supports_partition_size(a.partition_size)) return cudaErrorInvalidValue;
+  if (a.warps != 0 && a.warps != kAttnWarps && a.warps != kAttnWarpsNarrow) {
+    return cudaErrorInvalidValue;
+  }
   const int num_partitions = paged_attention_num_partitions(a.max_seq_len, a.partition_size);
   if (num_partitions > 1 && (a.tmp_out == nullptr || a.exp_sums == nullptr || a.max_logits == nullptr)) {
     return cudaErrorInvalidValue;

@@ -6,8 +6,8 @@
 //   partition of a.partition_size tokens (chosen per launch, at most kMaxPartitionSize). Every K/V element of the partition is loaded from global
 //   memory exactly once per block and used for all GQA query heads.
 //
-//   Inside a block, each warp walks "chunks" of CHUNK consecutive tokens (warp w takes chunks
-//   w, w + kAttnWarps, ...). A token row (head_size elements) is read by a group of GROUP lanes with
+//   Inside a block, each of the WARPS warps walks "chunks" of CHUNK consecutive tokens (warp w
+//   takes chunks w, w + WARPS, ...). A token row (head_size elements) is read by a group of GROUP lanes with
 //   16-byte loads: lane `glane` of the group owns the 16-byte vectors glane, glane + GROUP, ...
 //   A warp therefore covers TOKENS_PER_STEP = WARP_SIZE / GROUP tokens per load and issues STEPS
 //   loads per lane per chunk before using them, to keep enough bytes in flight.
@@ -36,14 +36,16 @@ namespace pagedllm {
 #ifndef PAGEDLLM_ATTN_WARPS  // warps per thread block (a tuning knob, like the partition size)
 #define PAGEDLLM_ATTN_WARPS 4
 #endif
+// Two block widths are compiled: PAGEDLLM_ATTN_WARPS, and 2 warps for short partitions in large
+// grids; each launch picks one (paged_attention_narrow_blocks in ops.h).
 constexpr int kAttnWarps = PAGEDLLM_ATTN_WARPS;
+constexpr int kAttnWarpsNarrow = 2;
 #ifndef PAGEDLLM_ATTN_LOADS  // 16-byte loads in flight per lane (a tuning knob)
 #define PAGEDLLM_ATTN_LOADS 8
 #endif
 #ifndef PAGEDLLM_ATTN_MAX_GROUP  // most lanes that share one token row (a tuning knob)
 #define PAGEDLLM_ATTN_MAX_GROUP 8  // H200, bf16 d128 GQA 4: 8 lanes 77.6% of copy BW, 16 lanes 60%
 #endif
-constexpr int kAttnThreads = kAttnWarps * WARP_SIZE;
 constexpr int kReduceThreads = 128;
 
 __host__ __device__ constexpr int ceil_pow2(int x) { return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2); }
@@ -128,9 +130,10 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
   }
 }
 
-template <typename T, int HEAD_SIZE, int GQA>
-__global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
+template <typename T, int HEAD_SIZE, int GQA, int WARPS>
+__global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     paged_attention_kernel(const PagedAttentionArgs a, int block_shift, int q_per_kv) {
+  constexpr int kThreads = WARPS * WARP_SIZE;
   using L = DecodeLayout<T, HEAD_SIZE, GQA>;
   constexpr int VEC = L::kVec;
   constexpr int GROUP = L::kGroup;
@@ -138,10 +141,10 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   constexpr int STEPS = L::kSteps;
   constexpr int CHUNK = L::kChunk;
   constexpr int kLogitFloats = GQA * kMaxPartitionSize;          // logits[GQA][kMaxPartitionSize]
-  constexpr int kReduceFloats = kAttnWarps * GQA * HEAD_SIZE;    // red_out[warps][GQA][HEAD_SIZE]
+  constexpr int kReduceFloats = WARPS * GQA * HEAD_SIZE;    // red_out[warps][GQA][HEAD_SIZE]
   __shared__ float smem[kLogitFloats > kReduceFloats ? kLogitFloats : kReduceFloats];
-  __shared__ float red_max[kAttnWarps][GQA];
-  __shared__ float red_sum[kAttnWarps][GQA];
+  __shared__ float red_max[WARPS][GQA];
+  __shared__ float red_sum[WARPS][GQA];
 
   const int tid = threadIdx.x;
   const int head_chunk = blockIdx.x;
@@ -160,7 +163,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     // Only an empty sequence gets here with one partition: its output is zero.
     if (num_partitions == 1) {
       T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride;
-      for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
+      for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kThreads) {
         store_from_float(out + (head0 + idx / HEAD_SIZE) * a.out_head_stride + idx % HEAD_SIZE, 0.f);
       }
     }
@@ -206,7 +209,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 
   const int64_t k_head_offset = kv_head * a.k_head_stride;
 #pragma unroll 1
-  for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
+  for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += WARPS * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
     load_chunk<T, HEAD_SIZE, GQA>(key_cache, a.k_block_stride, a.k_token_stride,
@@ -257,12 +260,12 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   for (int g = 0; g < GQA; ++g) {
     block_max[g] = red_max[0][g];
 #pragma unroll
-    for (int w = 1; w < kAttnWarps; ++w) block_max[g] = fmaxf(block_max[g], red_max[w][g]);
+    for (int w = 1; w < WARPS; ++w) block_max[g] = fmaxf(block_max[g], red_max[w][g]);
   }
 #pragma unroll
   for (int g = 0; g < GQA; ++g) {
     float local_sum = 0.f;
-    for (int t = tid; t < part_tokens; t += kAttnThreads) {
+    for (int t = tid; t < part_tokens; t += kThreads) {
       float* logit = logits + g * kMaxPartitionSize + t;
       const float p = block_max[g] == -INFINITY ? 0.f : expf(*logit - block_max[g]);
       *logit = p;
@@ -285,7 +288,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
   }
   const int64_t v_head_offset = kv_head * a.v_head_stride;
 #pragma unroll 1
-  for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += kAttnWarps * CHUNK) {
+  for (int chunk = part_start + warp * CHUNK; chunk < part_end; chunk += WARPS * CHUNK) {
     uint4 raw[STEPS][VPL];
     bool valid[STEPS];
     load_chunk<T, HEAD_SIZE, GQA>(value_cache, a.v_block_stride, a.v_token_stride,
@@ -323,7 +326,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     }
   }
   __syncthreads();  // every warp is done reading logits: smem is reused below
-  float* red_out = smem;  // [kAttnWarps][GQA][HEAD_SIZE]
+  float* red_out = smem;  // [WARPS][GQA][HEAD_SIZE]
   if (slot == 0) {
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
@@ -341,13 +344,13 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
 
   // ---- Output ---------------------------------------------------------------------------------
   const int64_t row0 = static_cast<int64_t>(seq) * a.num_heads + head0;  // (seq, head0) row
-  for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kAttnThreads) {
+  for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kThreads) {
     const int g = idx / HEAD_SIZE;
     const int d = idx % HEAD_SIZE;
     float sum = 0.f;
     float value = 0.f;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       sum += red_sum[w][g];
       value += red_out[(w * GQA + g) * HEAD_SIZE + d];
     }
@@ -363,7 +366,7 @@ __global__ void PL_LAUNCH_BOUNDS(kAttnThreads)
     const int g = tid;
     float sum = 0.f;
     float max_logit = -INFINITY;
-    for (int w = 0; w < kAttnWarps; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       sum += red_sum[w][g];
       max_logit = fmaxf(max_logit, red_max[w][g]);
     }

@@ -90,7 +90,8 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
                      int64_t block_size, int64_t max_seq_len,
                      const c10::optional<torch::Tensor>& tmp_out_opt,
                      const c10::optional<torch::Tensor>& exp_sums_opt,
-                     const c10::optional<torch::Tensor>& max_logits_opt, int64_t partition_size) {
+                     const c10::optional<torch::Tensor>& max_logits_opt, int64_t partition_size,
+                     int64_t num_warps) {
   const torch::Device device = query.device();
   check_cuda(query, "query", device);
   check_cuda(out, "out", device);
@@ -199,6 +200,9 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   a.num_blocks = static_cast<int>(num_blocks);
   a.max_seq_len = static_cast<int>(max_seq_len);
   a.partition_size = static_cast<int>(partition_size);
+  TORCH_CHECK(num_warps == 0 || num_warps == 2 || num_warps == 4,
+              "paged_attention: num_warps must be 0 (chosen per launch), 2 or 4, got ", num_warps);
+  a.warps = static_cast<int>(num_warps);
   a.scale = static_cast<float>(scale);
 
   const c10::cuda::CUDAGuard guard(device);
@@ -508,7 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("max_seq_len"), py::arg("tmp_out") = py::none(),
         py::arg("exp_sums") = py::none(), py::arg("max_logits") = py::none(),
-        py::arg("partition_size") = 0);
+        py::arg("partition_size") = 0, py::arg("num_warps") = 0);
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping.",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),

@@ -10,7 +10,7 @@ from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
 from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.pending import PendingOutputs
-from pagedllm.worker.sampler import Sampler, SampleRow
+from pagedllm.worker.sampler import GreedyLogprobs, Sampler, SampleRow
 
 
 @dataclass
@@ -110,11 +110,12 @@ def select_logit_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[tuple[i
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int,
+                 greedy_logprobs: GreedyLogprobs | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, greedy_logprobs)
         # the last sampled step's draws [num_draws] on the device, and seq_id -> its draw
         self._last_draws: tuple[torch.Tensor, dict[int, int]] | None = None
 

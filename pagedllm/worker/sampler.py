@@ -7,6 +7,7 @@ only on its own seed and history, never on what else is in the batch or on preem
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,10 +168,25 @@ class PendingSamples:
         return out
 
 
+def _plain_greedy(row: SampleRow) -> bool:
+    """A row whose draw is its logits' argmax and whose only logprob is the chosen token's."""
+    return (row.num_samples == 1 and row.params.sampling_type == SamplingType.GREEDY
+            and row.history is None and row.output_len >= row.params.min_tokens
+            and not row.params.logprobs)
+
+
+# logits [rows, vocab] -> (argmax [rows] int64, its logprob [rows] float32)
+GreedyLogprobs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int,
+                 greedy_logprobs: GreedyLogprobs | None = None) -> None:
+        """``greedy_logprobs``: a backend's fused op for batches of plain greedy rows (one read of
+        the logits instead of log_softmax + argmax + gather); None: the torch path for all."""
         self.device = device
         self.generator = torch.Generator(device=generator_device(device)).manual_seed(seed)
+        self.greedy_logprobs = greedy_logprobs
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         """``logits`` [len(rows), vocab] float32 -> for each row its ``num_samples`` samples."""
@@ -178,6 +194,12 @@ class Sampler:
 
     def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSamples:
         """Queues the draws for ``rows``; nothing here waits for the device."""
+        if self.greedy_logprobs is not None and all(_plain_greedy(r) for r in rows):
+            tokens, chosen_lp = self.greedy_logprobs(logits)
+            rows_k = [r.params.logprobs for r in rows]
+            want = [i for i, k in enumerate(rows_k) if k is not None]
+            return PendingSamples(tokens, chosen_lp, list(range(len(rows))), rows_k,
+                                  (want, None, None))
         expanded: list[SampleRow] = []
         src: list[int] = []
         for i, r in enumerate(rows):

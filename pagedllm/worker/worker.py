@@ -91,7 +91,7 @@ class Worker:
         with torch.inference_mode():
             self.model = load_model(self.config.model, ctx)
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
-                                  self.config.model.seed)
+                                  self.config.model.seed, ops.greedy_logprobs)
 
     def profile_run(self) -> None:
         """One forward + sample at the largest batch the scheduler may send (for memory sizing).

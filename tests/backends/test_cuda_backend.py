@@ -94,7 +94,7 @@ def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
 
 
 def test_long_contexts_and_steps_ahead_match_eager(checkpoint_factory) -> None:
-    """Contexts crossing the decode kernel's 512-token partition (both captured context buckets),
+    """Contexts crossing the decode kernel's 256/512-token partitions (every captured context bucket),
     and steps scheduled ahead of the device (the default here) vs each step waiting."""
     path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=2,
                              max_position_embeddings=1024)
@@ -103,7 +103,7 @@ def test_long_contexts_and_steps_ahead_match_eager(checkpoint_factory) -> None:
     kw = dict(dtype="bfloat16", max_num_seqs=8)
     _, eager = run(path, 30, ps, enforce_eager=True, disable_async_output_proc=True, **kw)
     facts, graphs = run(path, 30, ps, **kw)
-    assert facts["graph_contexts"] == [512, 1024] and facts["steps_ahead"] > 10
+    assert facts["graph_contexts"] == [256, 512, 1024] and facts["steps_ahead"] > 10
     assert graphs == eager
     _, waiting = run(path, 30, ps, disable_async_output_proc=True, **kw)
     assert waiting == graphs

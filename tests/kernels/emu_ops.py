@@ -91,7 +91,8 @@ def reset(seed: int) -> None:
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                    max_seq_len: int, partition_size: int | None = None) -> torch.Tensor:
+                    max_seq_len: int, partition_size: int | None = None,
+                    num_warps: int = 0) -> torch.Tensor:
     lib = _load()
     num_seqs, num_heads, head_size = query.shape
     if partition_size is None:
@@ -110,7 +111,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         _ptr(block_tables), *_i64(block_tables.stride(0)), ctypes.c_int(block_tables.shape[1]),
         _ptr(seq_lens), _ptr(tmp_out), _ptr(exp_sums), _ptr(max_logits),
         *[ctypes.c_int(v) for v in (num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                    key_cache.shape[0], max_seq_len, partition_size)],
+                                    key_cache.shape[0], max_seq_len, partition_size,
+                                    num_warps)],
         ctypes.c_float(scale),
     )
     _check(lib, rc, "paged_attention")
@@ -120,6 +122,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
 def decode_partition_size(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
     """csrc/ops.h paged_attention_partition_size (the rule the extension applies)."""
     return int(_load().emu_decode_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len))
+
+
+def decode_narrow_blocks(grid_blocks: int, partition_size: int) -> bool:
+    """csrc/ops.h paged_attention_narrow_blocks: whether a launch uses 2-warp thread blocks."""
+    return bool(_load().emu_decode_narrow_blocks(ctypes.c_int64(grid_blocks),
+                                                 ctypes.c_int(partition_size)))
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

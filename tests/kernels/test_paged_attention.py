@@ -68,14 +68,14 @@ def make_inputs(case: Case, device: str, seed: int) -> dict:
 
 
 def run_and_check(ops: ModuleType, case: Case, device: str, seed: int = 0,
-                  partition_size: int | None = None) -> None:
+                  partition_size: int | None = None, num_warps: int = 0) -> None:
     x = make_inputs(case, device, seed)
     key_cache, value_cache = x["kv_cache"][0], x["kv_cache"][1]
     scale = case.head_size**-0.5
     out = torch.full_like(x["query"], float("nan"))
     ops.paged_attention(out, x["query"], key_cache, value_cache, case.num_kv_heads, scale,
                         x["block_tables"], x["seq_lens"], case.block_size, max(case.seq_lens),
-                        partition_size=partition_size)
+                        partition_size=partition_size, num_warps=num_warps)
     ref = paged_decode_ref(x["query"].cpu(), key_cache.cpu(), value_cache.cpu(),
                            x["block_tables"].cpu(), x["seq_lens"].cpu(), scale)
     out = out.cpu()
@@ -145,6 +145,30 @@ def test_partition_size_rule(emu_ops: ModuleType) -> None:
     assert rule(4, 8, 8, 1) == 64          # the minimum
 
 
+@pytest.mark.parametrize("fixture", _edge_backends())
+@pytest.mark.parametrize("num_warps", [2, 4])
+def test_block_widths(request: pytest.FixtureRequest, fixture: str, num_warps: int) -> None:
+    """Both compiled thread-block widths, forced, over one and several partitions and GQA 1/4/8."""
+    ops = request.getfixturevalue(fixture)
+    device = "cuda" if fixture == "cuda_ops" else "cpu"
+    for case, partition in ((Case(torch.bfloat16, 128, 16, 8, 2, (1, 64, 65, 300)), 128),
+                            (Case(torch.float16, 64, 32, 16, 2, (200, 17)), 256),
+                            (Case(torch.float32, 80, 16, 3, 3, (129, 1030)), 1024)):
+        run_and_check(ops, case, device, seed=num_warps, partition_size=partition,
+                      num_warps=num_warps)
+
+
+def test_block_width_rule(emu_ops: ModuleType) -> None:
+    """2-warp blocks only for short partitions in large grids (csrc/ops.h
+    paged_attention_narrow_blocks); the throughput workload (256 sequences x 8 kv heads, contexts
+    up to 256) gets them, batch-1 decode and long contexts do not."""
+    rule = emu_ops.decode_narrow_blocks  # (grid blocks, partition size)
+    assert rule(256 * 8, 256) and rule(128 * 8, 128)
+    assert not rule(64 * 8, 128)       # 512 blocks: 4 warps overlap enough
+    assert not rule(256 * 8, 512)      # long partitions
+    assert not rule(1 * 8 * 4, 64)     # batch 1
+
+
 def test_bad_partition_size_raises(cuda_ops: ModuleType) -> None:
     case = Case(torch.float16, 128, 16, 8, 2, (5, 30))
     x = make_inputs(case, "cuda", seed=0)
@@ -153,6 +177,9 @@ def test_bad_partition_size_raises(cuda_ops: ModuleType) -> None:
         with pytest.raises(ValueError, match="partition_size"):
             cuda_ops.paged_attention(out, x["query"], x["kv_cache"][0], x["kv_cache"][1], 2, 0.1,
                                      x["block_tables"], x["seq_lens"], 16, 30, partition_size=bad)
+    with pytest.raises(ValueError, match="num_warps"):
+        cuda_ops.paged_attention(out, x["query"], x["kv_cache"][0], x["kv_cache"][1], 2, 0.1,
+                                 x["block_tables"], x["seq_lens"], 16, 30, num_warps=8)
 
 
 @pytest.mark.parametrize("fixture", _edge_backends())

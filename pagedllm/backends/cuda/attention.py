@@ -22,10 +22,11 @@ class CudaPagedAttention(AttentionImpl):
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty_like(query)
+        # query may be a strided view into the qkv projection: the kernel takes its strides
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         # a captured graph fixes max_seq_len to the model length (set in extras)
         max_len = metadata.extras.get("graph_max_seq_len", metadata.max_decode_seq_len)
-        return ops.paged_attention(out, query.contiguous(), kv_cache[0], kv_cache[1],
+        return ops.paged_attention(out, query, kv_cache[0], kv_cache[1],
                                    self.num_kv_heads, self.scale, metadata.decode_block_tables,
                                    metadata.decode_seq_lens, kv_cache.shape[2], max_len)
 

@@ -83,9 +83,16 @@ class CudaBackend(Backend):
                          "allowed: kernels, torch")
 
     def register_ops(self, ops: Ops) -> None:
-        """rms_norm, rotary and silu_and_mul on the csrc/ layer kernels for float16/bfloat16
+        """Greedy sampling on a Triton kernel (triton_sampling.py); rms_norm, rotary and
+        silu_and_mul on the csrc/ layer kernels for float16/bfloat16
         (float32 keeps the torch reference, which matches transformers exactly). Without the
         kernels (attention_backend="torch", or they cannot be loaded) the torch references stay."""
+        try:  # Triton ships with CUDA and ROCm torch builds; without it the sampler stays torch
+            from pagedllm.backends.cuda.triton_sampling import greedy_logprobs
+        except ImportError as exc:
+            logger.warning("triton is unavailable (%s); greedy sampling runs torch ops", exc)
+        else:
+            ops.register("greedy_logprobs", greedy_logprobs)
         if not self.layer_kernels:
             return
         from pagedllm.backends.cuda import ops as kernel_ops

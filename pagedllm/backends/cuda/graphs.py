@@ -23,13 +23,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def context_buckets(max_model_len: int, first: int | None) -> list[int]:
-    """Context lengths graphs are captured for: up to ``first`` tokens and up to the model length.
-    The decode kernel's partitions (and its reduce pass) follow the captured length, so a short
-    bucket keeps short contexts from launching thread blocks for tokens they do not have."""
-    if first is None or first >= max_model_len:
-        return [max_model_len]
-    return [first, max_model_len]
+def context_buckets(max_model_len: int, shorter: tuple[int, ...] = ()) -> list[int]:
+    """Context lengths graphs are captured for: each of ``shorter`` below the model length, and
+    the model length. The decode kernel's partitions (and its reduce pass, and its thread-block
+    width) follow the captured length, so short buckets keep short contexts from launching
+    thread blocks for tokens they do not have."""
+    return sorted({n for n in shorter if n < max_model_len} | {max_model_len})
 
 
 class DecodeGraphs:
@@ -74,14 +73,14 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[:b], max_decode_seq_len=max_len,
             extras={"graph_max_seq_len": max_len})
 
-    def _forward(self, b: int, max_len: int) -> torch.Tensor:
+    def _forward(self, b: int, max_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches,
                             self._metadata(b, max_len))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out)
 
     def _forward_into_logits(self, b: int, max_len: int) -> None:
         assert self.logits is not None
-        self.logits[:b].copy_(self._forward(b, max_len))
+        self._forward(b, max_len, self.logits[:b])
 
     @torch.inference_mode()
     def capture(self) -> None:

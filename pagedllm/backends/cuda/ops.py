@@ -155,6 +155,7 @@ def paged_attention(
     block_size: int,
     max_seq_len: int,
     partition_size: int | None = None,
+    num_warps: int = 0,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context; fills and returns out.
 
@@ -162,6 +163,8 @@ def paged_attention(
     ``partition_size`` tokens of one sequence (a power of two in [MIN_PARTITION_SIZE,
     MAX_PARTITION_SIZE]; None: ``decode_partition_size``, which shortens partitions when there are
     few sequences); contexts longer than one partition use float32 scratch buffers allocated here.
+    ``num_warps`` 0 lets the kernel pick its thread-block width per launch (csrc/ops.h
+    paged_attention_narrow_blocks); 2 or 4 forces one.
     """
     import torch
 
@@ -177,6 +180,8 @@ def paged_attention(
     lo, hi = int(kernels.MIN_PARTITION_SIZE), int(kernels.MAX_PARTITION_SIZE)
     if not (lo <= partition_size <= hi and partition_size & (partition_size - 1) == 0):
         raise ValueError(f"partition_size={partition_size} must be a power of two in [{lo}, {hi}]")
+    if num_warps not in (0, 2, 4):
+        raise ValueError(f"num_warps={num_warps} must be 0 (chosen per launch), 2 or 4")
     num_partitions = max(1, (int(max_seq_len) + partition_size - 1) // partition_size)
     tmp_out = exp_sums = max_logits = None
     if num_partitions > 1:
@@ -188,7 +193,7 @@ def paged_attention(
     kernels.paged_attention(
         out, query, key_cache, value_cache, int(num_kv_heads), float(scale), block_tables,
         seq_lens, int(block_size), int(max_seq_len), tmp_out, exp_sums, max_logits,
-        int(partition_size),
+        int(partition_size), int(num_warps),
     )
     return out
 

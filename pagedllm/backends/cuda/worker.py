@@ -13,9 +13,10 @@ from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-# Decode graphs are captured for contexts up to this many tokens and up to the model length. The
-# first bucket is one 512-token kernel partition at large batch sizes (no reduce pass).
-DECODE_BUCKET_TOKENS = 512
+# Decode graphs are captured for contexts up to each of these token counts and up to the model
+# length. At large batch sizes each is one kernel partition (no reduce pass); up to 256 tokens the
+# kernel also runs its 2-warp thread blocks (csrc/ops.h paged_attention_narrow_blocks).
+DECODE_BUCKETS = (256, 512)
 
 
 class CudaWorker(Worker):
@@ -50,11 +51,10 @@ class CudaWorker(Worker):
         assert self.model is not None
         sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
         max_len = self.config.model.max_model_len
-        partition = None
-        if self.attn_cls is CudaPagedAttention:  # the csrc/ decode kernel partitions contexts
-            partition = DECODE_BUCKET_TOKENS
+        # the csrc/ decode kernel's launch follows the context bucket; torch attention's does not
+        shorter = DECODE_BUCKETS if self.attn_cls is CudaPagedAttention else ()
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
-                                   max_len, sizes, self.device, context_buckets(max_len, partition))
+                                   max_len, sizes, self.device, context_buckets(max_len, shorter))
         self.graphs.capture()
 
     def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:

@@ -43,8 +43,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, ctx)
         self.bias = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [tokens, vocab]; written into ``out`` (converted in the same copy) when
+        given, e.g. a CUDA graph's shared logits buffer."""
         logits = self.ctx.ops.linear(hidden, self)
         if self.ctx.tp.size > 1:
             logits = self.ctx.tp.all_gather(logits)
-        return logits[..., : self.vocab_size].float()
+        logits = logits[..., : self.vocab_size]
+        return logits.float() if out is None else out.copy_(logits)

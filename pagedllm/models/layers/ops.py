@@ -57,7 +57,8 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare")
+    # greedy_logprobs has no reference: None keeps the sampler's torch path (worker/sampler.py)
+    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
@@ -65,6 +66,7 @@ class Ops:
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
+        self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:

@@ -22,7 +22,7 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
                         int max_num_blocks_per_seq, const int32_t* seq_lens, float* tmp_out,
                         float* exp_sums, float* max_logits, int num_seqs, int num_heads,
                         int num_kv_heads, int head_size, int block_size, int num_blocks,
-                        int max_seq_len, int partition_size, float scale) {
+                        int max_seq_len, int partition_size, int warps, float scale) {
   pagedllm::PagedAttentionArgs a{};
   a.dtype = static_cast<ScalarType>(dtype);
   a.out = out;
@@ -54,12 +54,17 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
   a.num_blocks = num_blocks;
   a.max_seq_len = max_seq_len;
   a.partition_size = partition_size;
+  a.warps = warps;
   a.scale = scale;
   return static_cast<int>(pagedllm::launch_paged_attention(a, nullptr));
 }
 
 int emu_decode_partition_size(int num_seqs, int num_heads, int num_kv_heads, int max_seq_len) {
   return pagedllm::paged_attention_partition_size(num_seqs, num_heads, num_kv_heads, max_seq_len);
+}
+
+int emu_decode_narrow_blocks(int64_t grid_blocks, int partition_size) {
+  return pagedllm::paged_attention_narrow_blocks(grid_blocks, partition_size) ? 1 : 0;
 }
 
 int emu_reshape_and_cache(int dtype, const void* key, int64_t k_s0, int64_t k_s1, const void* value,
