@@ -50,7 +50,8 @@ setup(
         "jinja2",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "openai", "httpx"],
+        # triton: the cuda backend's Triton kernels are tested on CPU through its interpreter
+        "test": ["pytest", "pytest-timeout", "openai", "httpx", "triton; sys_platform == 'linux'"],
         "ray": ["ray"],
     },
     entry_points={
