@@ -84,3 +84,24 @@ def test_linear(conformance_backend: Backend, conformance_dtype: str,
         got = ops.linear(x.to(conformance_device), layer)
     ref = x.double() @ weight.double().T + bias.double()
     _close(got, ref, conformance_dtype, "linear (after linear_prepare)")
+
+
+def test_greedy_logprobs(conformance_backend: Backend, conformance_device: torch.device,
+                         conformance_rng: torch.Generator) -> None:
+    """The sampler's all-greedy op: the first index of each row's max (ties included) and its
+    logprob, on float32 logits as the engine passes them (including a row-strided view)."""
+    logits = _rand(conformance_rng, 5, 3000) * 4
+    logits[1, 700] = logits[1, 2900] = logits[1].max() + 1.0  # an exact tie: 700 must win
+    logits[2, :100] = float("-inf")  # masked entries
+    wide = torch.zeros(5, 3100)
+    wide[:, :3000] = logits
+    ref_lp = logits.double().log_softmax(-1)
+    ops = _ops(conformance_backend)
+    for what, x in (("contiguous", logits), ("row-strided view", wide[:, :3000])):
+        tokens, lp = ops.greedy_logprobs(x.to(conformance_device))
+        tokens = tokens.cpu()
+        assert tokens.dtype == torch.int64, f"greedy_logprobs ({what}): tokens are {tokens.dtype}"
+        assert tokens.tolist() == logits.argmax(-1).tolist(), f"greedy_logprobs ({what}): tokens"
+        chosen = ref_lp.gather(1, tokens[:, None]).squeeze(1)
+        err = (lp.cpu().double() - chosen).abs().max().item()
+        assert err < 1e-4, f"greedy_logprobs ({what}): logprob error {err:.3g} vs float64"

@@ -182,8 +182,9 @@ GreedyLogprobs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 class Sampler:
     def __init__(self, device: torch.device, seed: int,
                  greedy_logprobs: GreedyLogprobs | None = None) -> None:
-        """``greedy_logprobs``: a backend's fused op for batches of plain greedy rows (one read of
-        the logits instead of log_softmax + argmax + gather); None: the torch path for all."""
+        """``greedy_logprobs``: the op for steps whose rows are all plain greedy (the ops table's:
+        a torch reference, or a backend's fused kernel); None: every step takes the general
+        path below."""
         self.device = device
         self.generator = torch.Generator(device=generator_device(device)).manual_seed(seed)
         self.greedy_logprobs = greedy_logprobs

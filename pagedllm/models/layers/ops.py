@@ -46,6 +46,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] -> (argmax [rows] int64, its logprob [rows] float32): the sampler's
+    draw for rows that are plain greedy (worker/sampler.py), one fused op on backends that
+    register one."""
+    tokens = logits.argmax(dim=-1)
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, chosen
+
+
 def linear_prepare(layer: torch.nn.Module) -> None:
     """Called once per linear layer after its weights are loaded (e.g. to pre-pack them)."""
 
@@ -57,7 +66,6 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    # greedy_logprobs has no reference: None keeps the sampler's torch path (worker/sampler.py)
     NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs")
 
     def __init__(self) -> None:
@@ -66,7 +74,8 @@ class Ops:
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
-        self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
+            greedy_logprobs
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:
