@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh conformance  # the porting kit's suite with --device cuda
 #   bash benchmarks/h200_run.sh profile      # ms per decode step at batch 256 and 1, with and
-#                                            # without steps scheduled ahead, + GPU kernel table
+#                                            # without steps scheduled ahead, + the GPU timeline
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
@@ -65,9 +65,9 @@ case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
     model
     for flag in "" --disable-async-output-proc; do
       python benchmarks/profile_decode.py --model "$MODEL" --load-format dummy --device cuda \
-        --dtype bfloat16 --batch 256 --batch 1 --steps 20 $flag "${@:2}" \
+        --dtype bfloat16 --batch 256 --batch 1 --steps 20 --timeline $flag "${@:2}" \
         > "$OUT/profile${flag:+-plain}.log" 2>&1
-      grep "ms per" "$OUT/profile${flag:+-plain}.log"
+      grep -A22 "ms per decode\|GPU timeline" "$OUT/profile${flag:+-plain}.log" | grep -v "^ \|^--\|^$"
     done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
