@@ -14,6 +14,7 @@ import io
 import pstats
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -114,7 +115,7 @@ def gpu_timeline(run, steps: int) -> str:
         run()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         return "no kernels recorded"
