@@ -4,7 +4,8 @@ Started by throughput.py, possibly under another interpreter (the vLLM venv), so
 imports only the standard library at top level; each runner imports its engine lazily.
 
 SPEC keys: backend, model, dtype, device, seed, load_format, prompts (list of token-id lists),
-output_len, warmup_prompts, hf_batch_size, kv_cache_gib, max_num_seqs.  RESULT keys: backend,
+output_len, warmup_prompts, hf_batch_size, kv_cache_gib, max_num_seqs, engine_kwargs (extra LLM
+keyword arguments for pagedllm and vLLM, e.g. enable_chunked_prefill).  RESULT keys: backend,
 version, device, load_s, warmup_s, elapsed_s, token_ids (one list per prompt), or error.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run_vllm(spec: Spec) -> Result:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"],
               max_num_seqs=spec.get("max_num_seqs", 256),
-              load_format=spec["load_format"])
+              load_format=spec["load_format"], **spec.get("engine_kwargs", {}))
     load_s = time.perf_counter() - start
     warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
     return dict(version=vllm.__version__, device=current_platform.device_type,
@@ -68,7 +69,7 @@ def run_pagedllm(spec: Spec) -> Result:
     llm = LLM(model=spec["model"], dtype=spec["dtype"], device=device,
               max_num_seqs=spec.get("max_num_seqs", 256),
               load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"] or None,
-              seed=spec["seed"])
+              seed=spec["seed"], **spec.get("engine_kwargs", {}))
     load_s = time.perf_counter() - start
     warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
     return dict(version=getattr(pagedllm, "__version__", "unknown"), device=device,

@@ -166,6 +166,16 @@ def run_child(name: str, python: str, spec: dict[str, Any], log_dir: Path,
     return result
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Scheduler settings given on the command line, passed to pagedllm's and vLLM's LLM alike."""
+    kwargs: dict[str, Any] = {}
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.enable_chunked_prefill:
+        kwargs["enable_chunked_prefill"] = True
+    return kwargs
+
+
 def child_env(backend: str, kv_cache_gib: float) -> dict[str, str]:
     env = dict(os.environ)
     if backend == "vllm":
@@ -278,6 +288,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pagedllm's KV cache size; 0: sized by profiling (gpu_memory_utilization)")
     p.add_argument("--warmup-prompts", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=256, help="pagedllm's and vLLM's batch cap")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="pagedllm's and vLLM's token budget per step (default: the engine's)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="pagedllm and vLLM: split prompts over steps, mixed with decodes")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds over the engines (round robin); the table shows each one's median")
     p.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
@@ -305,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                 warmup_prompts=min(args.warmup_prompts, args.num_prompts),
                 hf_batch_size=args.hf_batch_size, kv_cache_gib=args.kv_cache_gib,
                 max_num_seqs=args.max_num_seqs,
+                engine_kwargs=engine_kwargs(args),
                 gemm_dtypes=sorted({"float32", args.dtype}))
     gemm = run_child("gemm", sys.executable, dict(spec, backend="gemm", prompts=[]), log_dir,
                      child_env("gemm", args.kv_cache_gib))
