@@ -30,11 +30,15 @@ setup(
     name="pagedllm",
     version="0.1.0",
     description="LLM inference and serving with a paged KV cache on many hardware backends",
-    packages=find_packages(include=["pagedllm", "pagedllm.*"]),
+    # csrc/ ships as pagedllm/_csrc, where the JIT builds look for it (backends/kernel_build.py):
+    # the GPU kernel sources, and csrc/cpu/ that the cpu backend builds on first use
+    packages=find_packages(include=["pagedllm", "pagedllm.*"]) + ["pagedllm._csrc"],
+    package_dir={"pagedllm._csrc": "csrc"},
     # the built-in demo model (pagedllm/models/demo.py): weights, tokenizer, configs, model card
     package_data={"pagedllm": ["py.typed", "models/demo_model/*.json",
                                "models/demo_model/*.safetensors", "models/demo_model/README.md",
-                               "models/demo_model/*.png"]},
+                               "models/demo_model/*.png"],
+                  "pagedllm._csrc": ["*.py", "*.h", "*.cuh", "*.cu", "*.cpp", "cpu/*.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -28,3 +28,14 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def llama_path(checkpoint_factory) -> str:
     return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """torch.ops.pagedllm_cpu (csrc/cpu, built on first use); skips where it cannot be built."""
+    from pagedllm.backends.cpu.kernels import load_cpu_kernels
+
+    try:
+        return load_cpu_kernels()
+    except RuntimeError as exc:
+        pytest.skip(f"the cpu kernels are unavailable here: {exc}")

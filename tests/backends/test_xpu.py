@@ -57,12 +57,13 @@ def test_attention_choices(monkeypatch: pytest.MonkeyPatch) -> None:
 
     cpu, xpu = CpuBackend(), XpuBackend()
     config = raw_config(cpu, dtype="float32", block_size=16)
-    assert cpu.attention_cls(config) is TorchPagedAttention
     assert xpu.attention_cls(config) is IpexPagedAttention
+    config.attention_backend = "torch"  # the default: test_cpu_native_attention.py
+    assert cpu.attention_cls(config) is TorchPagedAttention
     config.attention_backend = "ipex"
     assert cpu.attention_cls(config) is IpexPagedAttention
     config.attention_backend = "flash"
-    with pytest.raises(ValueError, match="allowed: torch, ipex"):
+    with pytest.raises(ValueError, match="allowed: native, torch, ipex"):
         cpu.attention_cls(config)
     with pytest.raises(ValueError, match="allowed: ipex, torch"):
         xpu.attention_cls(config)

@@ -74,6 +74,23 @@ def test_greedy_matches_transformers(arch: str, mode: str, reference) -> None:
         assert stats.num_cached_blocks > 0
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_each_cpu_attention_matches_transformers(attention: str, reference,
+                                                 request: pytest.FixtureRequest) -> None:
+    """The cpu attentions by name: the tests above run the default, which is "native" (C++
+    decode) where its kernels build and "torch" (the reference) elsewhere."""
+    if attention == "native":
+        request.getfixturevalue("cpu_kernels")  # skips where the kernels cannot be built
+    path, expected = reference("llama")
+    llm = LLM(path, device="cpu", dtype="float32", attention_backend=attention,
+              **MODES["prefix_caching"])
+    assert llm.llm_engine.executor.worker.attn_cls.name == attention
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second pass decodes after prefix-cache hits
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_pytorch_bin_checkpoint_loads_with_weights_only(tmp_path, reference) -> None:
     """A .bin checkpoint (torch.load(weights_only=True)) gives the same tokens."""
     import glob

@@ -1,6 +1,8 @@
-"""The cpu backend: pure torch (oneDNN for linears), KV cache sized in GiB."""
+"""The cpu backend: torch (oneDNN for linears) plus a C++ decode-attention kernel, KV cache sized
+in GiB."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from pagedllm.backends.attention import AttentionImpl
@@ -9,6 +11,9 @@ from pagedllm.backends.interface import Backend, Capabilities
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.models.layers.ops import Ops
+
+logger = logging.getLogger(__name__)
+ATTENTION_CHOICES = ("native", "torch", "ipex")
 
 
 class CpuBackend(Backend):
@@ -25,7 +30,14 @@ class CpuBackend(Backend):
         return True, "always available"
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
-        choice = config.attention_backend or "torch"
+        """"native" (the default where its kernels build), "torch" (the reference) or "ipex"."""
+        choice = config.attention_backend or _default_attention()
+        if choice == "native":  # C++ decode (csrc/cpu); raises with the reason if it cannot build
+            from pagedllm.backends.cpu.kernels import load_cpu_kernels
+            from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
+
+            load_cpu_kernels()
+            return CpuNativePagedAttention
         if choice == "torch":
             from pagedllm.backends.cpu.attention import TorchPagedAttention
 
@@ -35,10 +47,30 @@ class CpuBackend(Backend):
 
             return IpexPagedAttention
         raise ValueError(f"attention_backend={choice!r} is not available on cpu; "
-                         "allowed: torch, ipex")
+                         f"allowed: {', '.join(ATTENTION_CHOICES)}")
 
     def register_ops(self, ops: Ops) -> None:
         from pagedllm.backends.cpu import ops as cpu_ops
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
+
+
+_fallback_logged = False
+
+
+def _default_attention() -> str:
+    """"native" when the cpu kernels load (or build) here, else "torch", saying why once per
+    process: a warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
+    global _fallback_logged
+    from pagedllm.backends.cpu.kernels import cpu_kernels_disabled, load_cpu_kernels
+
+    try:
+        load_cpu_kernels()
+        return "native"
+    except RuntimeError as exc:
+        if not _fallback_logged:
+            _fallback_logged = True
+            logger.log(logging.INFO if cpu_kernels_disabled() else logging.WARNING,
+                       "the cpu backend runs the torch attention: %s", exc)
+        return "torch"

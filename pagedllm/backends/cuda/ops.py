@@ -12,7 +12,6 @@ strided views with a contiguous last dim.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import math
@@ -22,22 +21,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
 
+from pagedllm.backends.kernel_build import PACKAGE_DIR as _PACKAGE_DIR
+from pagedllm.backends.kernel_build import build_directory, csrc_dir
+
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # .../pagedllm
 _lock = threading.Lock()
 _module: ModuleType | None = None
-
-
-def csrc_dir() -> Path | None:
-    """Kernel sources: pagedllm/_csrc (non-editable install) or pagedllm/../csrc (repository)."""
-    for candidate in (_PACKAGE_DIR / "_csrc", _PACKAGE_DIR.parent / "csrc"):
-        if (candidate / "setup_ext.py").is_file():
-            return candidate
-    return None
 
 
 def _setup_ext(src: Path) -> ModuleType:
@@ -47,19 +40,6 @@ def _setup_ext(src: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _build_directory(files: Sequence[str], device: str, flags: dict[str, list[str]]) -> Path:
-    import torch
-
-    digest = hashlib.sha256(f"{torch.__version__}|{device}|{sorted(flags.items())}".encode())
-    for name in files:
-        digest.update(Path(name).name.encode())
-        digest.update(Path(name).read_bytes())
-    root = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm" / "kernels")
-    path = root / digest.hexdigest()[:16]
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _jit_build() -> ModuleType:
@@ -81,7 +61,7 @@ def _jit_build() -> ModuleType:
     ext.ensure_default_arch(device)
     sources = ext.kernel_sources(src)
     flags = ext.compile_args(device)
-    build_dir = _build_directory(sources + ext.kernel_headers(src), device, flags)
+    build_dir = build_directory(sources + ext.kernel_headers(src), device, flags)
     logger.info("building pagedllm %s kernels in %s (first use; takes a few minutes)", device, build_dir)
     return load(
         name="pagedllm_C",

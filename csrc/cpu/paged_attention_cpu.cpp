@@ -1,0 +1,413 @@
+// Paged decode attention for the cpu backend: one query token per sequence attends over that
+// sequence's KV blocks, read in place through its block table (no gather into a padded tensor).
+//
+// Shapes (strides in elements; every tensor's last dim must be contiguous):
+//   out          [num_seqs, num_heads, head_size]   written; dtype of query
+//   query        [num_seqs, num_heads, head_size]   may be a strided view (e.g. of the qkv output)
+//   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_size]   K = [0], V = [1]; same
+//                dtype as query (float32, bfloat16 or float16)
+//   block_tables [num_seqs, max_blocks] int32       row i: the blocks of sequence i, in order
+//   seq_lens     [num_seqs] int32                   tokens of sequence i in the cache, >= 1
+//
+// Work split: a task is one sequence and a run of its kv heads (all of them unless there are too
+// few sequences to keep every thread busy). Query head h reads kv head h / group, so a task owns
+// whole GQA groups and reads each K/V row once for all the query heads of its group; with all kv
+// heads in one task, a slot's K (and V) rows are one contiguous span. Tasks run on torch's
+// intra-op pool (at::parallel_for), so torch.set_num_threads applies.
+//
+// Math: out = softmax(scale * q K^T) V in float32, the row max subtracted before exp (as SDPA).
+// Every argument is checked before any task starts, so bad block ids or lengths raise instead of
+// reading outside the cache.
+//
+// Vectors: at::vec::Vectorized<float> (AVX2 when built with -DCPU_CAPABILITY_AVX2 -mavx2 -mfma,
+// ATen's generic 8-lane version otherwise) plus one AVX2 intrinsic helper, lane_sums.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using VecF = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = VecF::size();
+// Scores are computed for kTile tokens at a time: one horizontal reduction per tile, not per token.
+constexpr int64_t kTile = 8;
+
+// ---------------------------------------------------------------------------------------------
+// vector helpers
+// ---------------------------------------------------------------------------------------------
+
+inline float reduce_add(const VecF& v) {
+  return at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, v);
+}
+
+// out[j] = the sum of the lanes of acc[j], for kTile vectors.
+inline void lane_sums(const VecF (&acc)[kTile], float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  static_assert(kLanes == 8 && kTile == 8, "the AVX2 reduction is an 8 x 8 transpose");
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  // [sum of lanes 0-3 of acc 0..3 | sum of lanes 4-7 of acc 0..3], and the same for acc 4..7
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(low, high));
+#else
+  for (int64_t j = 0; j < kTile; ++j) out[j] = reduce_add(acc[j]);
+#endif
+}
+
+// out[j] = q . k[j] for the kTile rows k[0..kTile) of d values.
+inline void dot_tile(const float* q, const float* const* k, int64_t d, float* out) {
+  VecF acc[kTile];
+  for (int64_t j = 0; j < kTile; ++j) acc[j] = VecF(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const VecF qv = VecF::loadu(q + i);
+    for (int64_t j = 0; j < kTile; ++j) {
+      acc[j] = at::vec::fmadd(qv, VecF::loadu(k[j] + i), acc[j]);
+    }
+  }
+  lane_sums(acc, out);
+  for (; i < d; ++i) {
+    for (int64_t j = 0; j < kTile; ++j) out[j] += q[i] * k[j][i];
+  }
+}
+
+// q . k over d values.
+inline float dot(const float* q, const float* k, int64_t d) {
+  VecF acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    acc = at::vec::fmadd(VecF::loadu(q + i), VecF::loadu(k + i), acc);
+  }
+  float sum = reduce_add(acc);
+  for (; i < d; ++i) sum += q[i] * k[i];
+  return sum;
+}
+
+// out[0..d) = sum over t < n of p[t] * v[t][0..d). kChunk vectors of out at a time, so that
+// their accumulators stay in registers over all n rows.
+constexpr int64_t kChunk = 8;
+inline void weighted_sum(const float* p, const float* const* v, int64_t n, int64_t d, float* out) {
+  int64_t i = 0;
+  for (; i + kChunk * kLanes <= d; i += kChunk * kLanes) {
+    VecF acc[kChunk];
+    for (int64_t c = 0; c < kChunk; ++c) acc[c] = VecF(0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const VecF pt(p[t]);
+      for (int64_t c = 0; c < kChunk; ++c) {
+        acc[c] = at::vec::fmadd(pt, VecF::loadu(v[t] + i + c * kLanes), acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < kChunk; ++c) acc[c].store(out + i + c * kLanes);
+  }
+  for (; i + kLanes <= d; i += kLanes) {
+    VecF acc(0.f);
+    for (int64_t t = 0; t < n; ++t) acc = at::vec::fmadd(VecF(p[t]), VecF::loadu(v[t] + i), acc);
+    acc.store(out + i);
+  }
+  for (; i < d; ++i) {
+    float acc = 0.f;
+    for (int64_t t = 0; t < n; ++t) acc += p[t] * v[t][i];
+    out[i] = acc;
+  }
+}
+
+// x[i] = exp(x[i] - max(x)) over n values; returns their sum.
+inline float softmax_numerators(float* x, int64_t n) {
+  const float max_x = at::vec::reduce_all<float>(
+      [](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, x, n);
+  const VecF shift(max_x);
+  VecF acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const VecF e = (VecF::loadu(x + i) - shift).exp();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = reduce_add(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - max_x);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the kernel
+// ---------------------------------------------------------------------------------------------
+
+struct Layout {
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  int64_t group;                          // query heads per kv head
+  int64_t kv_heads_per_task;              // the last task of a sequence may get fewer
+  int64_t q_seq, q_head;                  // query strides
+  int64_t o_seq, o_head;                  // out strides
+  int64_t c_kv, c_block, c_slot, c_head;  // kv_cache strides (dims 0-3)
+  int64_t table_stride;                   // block_tables stride(0)
+  float scale;
+};
+
+// One thread's buffers, sized for the longest sequence and reused by its tasks. A task's "rows"
+// are its query heads: (kv heads of the task) * group of them.
+struct Scratch {
+  std::vector<float> query;      // [rows, head_size]: scale * the query rows, as floats
+  std::vector<float> logits;     // [rows, max_len]: scores, then exp(score - max)
+  std::vector<int64_t> slots;    // [max_len]: token t's slot, as an offset into K (or V)
+  std::vector<const float*> kv;  // [max_len]: K or V rows of one kv head, as floats
+  std::vector<float> widened;    // [max_len, head_size]: those rows widened from 16 bits
+
+  Scratch(const Layout& l, int64_t max_len, bool widen)
+      : query(l.kv_heads_per_task * l.group * l.head_size),
+        logits(l.kv_heads_per_task * l.group * max_len),
+        slots(max_len),
+        kv(max_len),
+        widened(widen ? max_len * l.head_size : 0) {}
+};
+
+// Points s.kv[t] at the row `base` + s.slots[t] as floats, for t in [t0, t1): float rows in
+// place, 16-bit rows widened into s.widened.
+template <typename scalar_t>
+void rows_as_float(const scalar_t* base, int64_t t0, int64_t t1, int64_t d, Scratch& s) {
+  for (int64_t t = t0; t < t1; ++t) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      s.kv[t] = base + s.slots[t];
+    } else {
+      float* row = s.widened.data() + t * d;
+      for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(base[s.slots[t] + i]);
+      s.kv[t] = row;
+    }
+  }
+}
+
+// One task: kv heads [h0, h0 + nh) of sequence `seq` (`len` tokens, blocks `blocks`), i.e.
+// query heads [h0 * group, (h0 + nh) * group); row r of the task is query head h0 * group + r.
+// kHeadSize > 0 fixes head_size at compile time, so the inlined row loops unroll.
+template <typename scalar_t, int64_t kHeadSize>
+void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const scalar_t* cache,
+                 const int32_t* blocks, int64_t len, int64_t seq, int64_t h0, int64_t nh,
+                 Scratch& s) {
+  const int64_t d = kHeadSize > 0 ? kHeadSize : l.head_size;
+  const int64_t group = l.group, rows = nh * group;
+  const scalar_t* k_base = cache + h0 * l.c_head;  // kv head h0 of slot 0 of block 0
+  const scalar_t* v_base = k_base + l.c_kv;
+  for (int64_t t = 0; t < len; ++t) {
+    s.slots[t] = blocks[t / l.block_size] * l.c_block + (t % l.block_size) * l.c_slot;
+  }
+
+  const scalar_t* q_rows = query + seq * l.q_seq + h0 * group * l.q_head;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < d; ++i) {
+      s.query[r * d + i] = static_cast<float>(q_rows[r * l.q_head + i]) * l.scale;
+    }
+  }
+
+  // scores: logits[r, t] = (scale * q_r) . k_t, for kTile tokens at a time and all the task's
+  // kv heads, so that the cache is read slot after slot (one contiguous span per slot when the
+  // task has all kv heads)
+  float* logits = s.logits.data();
+  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+    const int64_t t1 = std::min(t0 + kTile, len);
+    for (int64_t h = 0; h < nh; ++h) {
+      rows_as_float(k_base + h * l.c_head, t0, t1, d, s);
+      const float* const* k = s.kv.data() + t0;
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        const float* q = s.query.data() + r * d;
+        float* x = logits + r * len + t0;
+        if (t1 - t0 == kTile) {
+          dot_tile(q, k, d, x);
+        } else {
+          for (int64_t j = 0; j < t1 - t0; ++j) x[j] = dot(q, k[j], d);
+        }
+      }
+    }
+  }
+
+  // out_r = sum_t exp(logit[r, t] - max) * v_t / sum_t exp(logit[r, t] - max)
+  scalar_t* out_rows = out + seq * l.o_seq + h0 * group * l.o_head;
+  float* acc = s.query.data();  // the scaled query rows are not needed any more
+  for (int64_t h = 0; h < nh; ++h) {
+    rows_as_float(v_base + h * l.c_head, 0, len, d, s);
+    for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+      float* p = logits + r * len;
+      const float inv_sum = 1.f / softmax_numerators(p, len);
+      weighted_sum(p, s.kv.data(), len, d, acc);
+      for (int64_t i = 0; i < d; ++i) {
+        out_rows[r * l.o_head + i] = static_cast<scalar_t>(acc[i] * inv_sum);
+      }
+    }
+  }
+}
+
+// Every task of the batch, split over torch's intra-op threads. Task i covers sequence
+// i / tasks_per_seq, kv heads from (i % tasks_per_seq) * kv_heads_per_task on.
+template <typename scalar_t, int64_t kHeadSize>
+void run_tasks(const Layout& l, scalar_t* out, const scalar_t* query, const scalar_t* cache,
+               const int32_t* tables, const int32_t* lens, int64_t lens_stride,
+               int64_t max_len) {
+  const int64_t per_task = l.kv_heads_per_task;
+  const int64_t tasks_per_seq = (l.num_kv_heads + per_task - 1) / per_task;
+  at::parallel_for(0, l.num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(l, max_len, !std::is_same_v<scalar_t, float>);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / tasks_per_seq, h0 = (task % tasks_per_seq) * per_task;
+      decode_task<scalar_t, kHeadSize>(l, out, query, cache, tables + seq * l.table_stride,
+                                       lens[seq * lens_stride], seq, h0,
+                                       std::min(per_task, l.num_kv_heads - h0), scratch);
+    }
+  });
+}
+
+// The common head sizes get an unrolled instantiation each; others run the generic one.
+template <typename scalar_t>
+void run_for_head_size(const Layout& l, at::Tensor& out, const at::Tensor& query,
+                       const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, int64_t max_len) {
+  auto run = [&](auto head_size) {
+    run_tasks<scalar_t, decltype(head_size)::value>(
+        l, out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(),
+        kv_cache.const_data_ptr<scalar_t>(), block_tables.const_data_ptr<int32_t>(),
+        seq_lens.const_data_ptr<int32_t>(), seq_lens.stride(0), max_len);
+  };
+  switch (l.head_size) {
+    case 64: return run(std::integral_constant<int64_t, 64>());
+    case 128: return run(std::integral_constant<int64_t, 128>());
+    default: return run(std::integral_constant<int64_t, 0>());
+  }
+}
+
+// KV heads per task: all of them, halved while there would be fewer than two tasks per thread.
+int64_t kv_heads_per_task(int64_t num_seqs, int64_t num_kv_heads) {
+  const int64_t wanted_tasks = 2 * static_cast<int64_t>(at::get_num_threads());
+  int64_t per_task = num_kv_heads;
+  while (per_task > 1 && num_seqs * ((num_kv_heads + per_task - 1) / per_task) < wanted_tasks) {
+    per_task = (per_task + 1) / 2;
+  }
+  return per_task;
+}
+
+// ---------------------------------------------------------------------------------------------
+// argument checks (all before any task runs) and the entry point
+// ---------------------------------------------------------------------------------------------
+
+void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  for (const at::Tensor* t : {&out, &query, &kv_cache, &block_tables, &seq_lens}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_decode: every tensor must be on the CPU, "
+                "got one on ", t->device());
+  }
+  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got shape ",
+              query.sizes());
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], got shape ",
+              kv_cache.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the shape of query ", query.sizes(),
+              ", got ", out.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "query must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "query, out and kv_cache must have one dtype, got query ", dtype, ", out ",
+              out.scalar_type(), ", kv_cache ", kv_cache.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
+              "query, out and kv_cache must be contiguous in their last (head_size) dim, got "
+              "strides ", query.strides(), ", ", out.strides(), ", ", kv_cache.strides());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_size ", kv_cache.size(4),
+              " differs from query head_size ", query.size(2));
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
+              " must be a multiple of the cache's num_kv_heads=", num_kv_heads);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == num_seqs,
+              "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ",
+              block_tables.scalar_type(), " ", block_tables.sizes());
+  TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1,
+              "block_tables must be contiguous in its last dim, got strides ",
+              block_tables.strides());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == num_seqs,
+              "seq_lens must be int32 [num_seqs=", num_seqs, "], got ", seq_lens.scalar_type(),
+              " ", seq_lens.sizes());
+}
+
+// Every length in [1, max_blocks * block_size], every block id it uses in [0, num_blocks).
+// Returns the longest length.
+int64_t check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     int64_t num_blocks, int64_t block_size) {
+  const auto tables = block_tables.accessor<int32_t, 2>();
+  const auto lens = seq_lens.accessor<int32_t, 1>();
+  const int64_t max_blocks = block_tables.size(1);
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < lens.size(0); ++i) {
+    const int64_t len = lens[i];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", i, "]=", len,
+                " must be in [1, max_blocks * block_size = ", max_blocks * block_size, "]");
+    for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j) {
+      const int64_t block = tables[i][j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", i, "][", j, "]=", block,
+                  " is outside the cache's blocks [0, ", num_blocks, ")");
+    }
+    max_len = std::max(max_len, len);
+  }
+  return max_len;
+}
+
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  check_shapes(out, query, kv_cache, block_tables, seq_lens);
+  Layout l;
+  l.num_seqs = query.size(0);
+  l.num_heads = query.size(1);
+  l.head_size = query.size(2);
+  l.block_size = kv_cache.size(2);
+  l.num_kv_heads = kv_cache.size(3);
+  l.group = l.num_heads / l.num_kv_heads;
+  l.kv_heads_per_task = kv_heads_per_task(l.num_seqs, l.num_kv_heads);
+  l.q_seq = query.stride(0);
+  l.q_head = query.stride(1);
+  l.o_seq = out.stride(0);
+  l.o_head = out.stride(1);
+  l.c_kv = kv_cache.stride(0);
+  l.c_block = kv_cache.stride(1);
+  l.c_slot = kv_cache.stride(2);
+  l.c_head = kv_cache.stride(3);
+  l.table_stride = block_tables.stride(0);
+  l.scale = static_cast<float>(scale);
+  const int64_t max_len = check_tables(block_tables, seq_lens, kv_cache.size(1), l.block_size);
+  if (l.num_seqs == 0 || l.num_heads == 0 || l.head_size == 0) return;
+
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return run_for_head_size<float>(l, out, query, kv_cache, block_tables, seq_lens, max_len);
+    case at::kBFloat16:
+      return run_for_head_size<c10::BFloat16>(l, out, query, kv_cache, block_tables, seq_lens,
+                                              max_len);
+    default:  // float16: check_shapes allows nothing else
+      return run_for_head_size<c10::Half>(l, out, query, kv_cache, block_tables, seq_lens,
+                                          max_len);
+  }
+}
+
+}  // namespace
+
+// torch.ops.pagedllm_cpu.paged_attention_decode. Registered with the dispatcher instead of a
+// pybind11 module: torch/library.h compiles in a third of the time of torch/extension.h.
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+}

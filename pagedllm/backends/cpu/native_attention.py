@@ -1,0 +1,31 @@
+"""The cpu backend's default attention: TorchPagedAttention with decode in C++.
+
+Decode runs csrc/cpu/paged_attention_cpu.cpp, which reads each sequence's K/V blocks in place
+through its block table instead of gathering them into a padded [B, kvH, L, D] tensor for SDPA.
+Prefill and the cache writes stay the torch reference's. The kernels are built (or loaded from
+the kernel cache) when the first layer is constructed; see kernels.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.backends.cpu.attention import TorchPagedAttention
+from pagedllm.backends.cpu.kernels import load_cpu_kernels
+
+
+class CpuNativePagedAttention(TorchPagedAttention):
+    name = "native"
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        self._ops = load_cpu_kernels()
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """query [num_decodes, num_heads, head_size] (a strided view is fine) -> a new tensor of
+        that shape. The kernel checks shapes, dtypes, block ids and lengths; bad ones raise."""
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        self._ops.paged_attention_decode(out, query, kv_cache, metadata.decode_block_tables,
+                                         metadata.decode_seq_lens, self.scale)
+        return out
