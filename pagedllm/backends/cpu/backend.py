@@ -49,11 +49,28 @@ class CpuBackend(Backend):
         raise ValueError(f"attention_backend={choice!r} is not available on cpu; "
                          f"allowed: {', '.join(ATTENTION_CHOICES)}")
 
+    native_ops: bool = True
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        super().check_and_update_config(config)
+        # attention_backend="torch" asks for the torch reference throughout, layer ops included
+        self.native_ops = config.attention_backend != "torch"
+
     def register_ops(self, ops: Ops) -> None:
+        """oneDNN linears with pre-packed weights (ops.py); rms_norm, rotary and silu_and_mul on
+        the csrc/cpu layer kernels for float32 (layer_ops.py) where the cpu kernels load, unless
+        attention_backend="torch"."""
         from pagedllm.backends.cpu import ops as cpu_ops
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
+        if not self.native_ops or _default_attention() != "native":
+            return
+        from pagedllm.backends.cpu.kernels import load_cpu_kernels
+        from pagedllm.backends.cpu.layer_ops import layer_ops
+
+        for name, fn in layer_ops(load_cpu_kernels()).items():
+            ops.register(name, fn)
 
 
 _fallback_logged = False

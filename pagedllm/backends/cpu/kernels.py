@@ -23,7 +23,7 @@ from pagedllm.backends.kernel_build import build_directory, csrc_dir
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGEDLLM_CPU_KERNELS"
-SOURCES = ("paged_attention_cpu.cpp",)
+SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
 _lock = threading.Lock()
 _ops: Any = None
 _error: str | None = None
@@ -35,12 +35,13 @@ def cpu_kernels_disabled() -> bool:
 
 
 def compile_flags() -> list[str]:
-    """g++ flags: -O3; -fopenmp where torch's thread pool is OpenMP (at::parallel_for is header
+    """g++ flags: -O3 without contracting a * b + c into FMAs (layer_ops_cpu.cpp reproduces the
+    torch reference's separately rounded products); -fopenmp where torch's thread pool is OpenMP (at::parallel_for is header
     code whose pragmas do nothing without it; the library then runs on torch's libgomp); AVX2 code
     for at::vec::Vectorized when this CPU runs torch's AVX2 (or AVX-512) kernels."""
     import torch
 
-    flags = ["-O3"]
+    flags = ["-O3", "-ffp-contract=off"]  # no fused multiply-adds the torch reference lacks
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():
         flags.append("-fopenmp")
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):

@@ -2,7 +2,8 @@
 
 Decode runs csrc/cpu/paged_attention_cpu.cpp, which reads each sequence's K/V blocks in place
 through its block table instead of gathering them into a padded [B, kvH, L, D] tensor for SDPA.
-Prefill and the cache writes stay the torch reference's. The kernels are built (or loaded from
+The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp); prefill stays the
+torch reference's. The kernels are built (or loaded from
 the kernel cache) when the first layer is constructed; see kernels.py.
 """
 from __future__ import annotations
@@ -20,6 +21,17 @@ class CpuNativePagedAttention(TorchPagedAttention):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self._ops = load_cpu_kernels()
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        """One copy per token and kv head into the cache (slots < 0 skipped); the kernel raises on
+        a slot past the cache."""
+        if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+            return super().write_kv(key, value, kv_cache, metadata)
+        if metadata.slot_mapping.shape[0] != key.shape[0]:
+            raise ValueError(f"slot_mapping has {metadata.slot_mapping.shape[0]} entries for "
+                             f"{key.shape[0]} tokens")
+        self._ops.write_kv(key, value, kv_cache, metadata.slot_mapping)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
