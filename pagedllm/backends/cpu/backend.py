@@ -1,5 +1,5 @@
-"""The cpu backend: torch (oneDNN for linears) plus a C++ decode-attention kernel, KV cache sized
-in GiB."""
+"""The cpu backend: torch (oneDNN for linears) plus C++ kernels (csrc/cpu: decode attention, cache
+writes, fused float32 layer ops), KV cache sized in GiB."""
 from __future__ import annotations
 
 import logging
@@ -25,6 +25,8 @@ class CpuBackend(Backend):
                                 chunked_prefill=True,
                                 dtypes=("float32", "bfloat16", "float16"))
 
+    native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
+
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return True, "always available"
@@ -49,8 +51,6 @@ class CpuBackend(Backend):
         raise ValueError(f"attention_backend={choice!r} is not available on cpu; "
                          f"allowed: {', '.join(ATTENTION_CHOICES)}")
 
-    native_ops: bool = True
-
     def check_and_update_config(self, config: EngineConfig) -> None:
         super().check_and_update_config(config)
         # attention_backend="torch" asks for the torch reference throughout, layer ops included
@@ -64,7 +64,7 @@ class CpuBackend(Backend):
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
-        if not self.native_ops or _default_attention() != "native":
+        if not self.native_ops or not _cpu_kernels_load():
             return
         from pagedllm.backends.cpu.kernels import load_cpu_kernels
         from pagedllm.backends.cpu.layer_ops import layer_ops
@@ -76,18 +76,23 @@ class CpuBackend(Backend):
 _fallback_logged = False
 
 
-def _default_attention() -> str:
-    """"native" when the cpu kernels load (or build) here, else "torch", saying why once per
-    process: a warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
+def _cpu_kernels_load() -> bool:
+    """Whether the cpu kernels load (or build) here; when not, says why once per process: a
+    warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
     global _fallback_logged
     from pagedllm.backends.cpu.kernels import cpu_kernels_disabled, load_cpu_kernels
 
     try:
         load_cpu_kernels()
-        return "native"
+        return True
     except RuntimeError as exc:
         if not _fallback_logged:
             _fallback_logged = True
             logger.log(logging.INFO if cpu_kernels_disabled() else logging.WARNING,
-                       "the cpu backend runs the torch attention: %s", exc)
-        return "torch"
+                       "the cpu backend runs the torch reference attention and layer ops: %s", exc)
+        return False
+
+
+def _default_attention() -> str:
+    """"native" where the cpu kernels load, else "torch"."""
+    return "native" if _cpu_kernels_load() else "torch"
