@@ -5,12 +5,17 @@ wiring (registered by default, not with attention_backend="torch"). Skipped wher
 cannot be built (the cpu_kernels fixture in tests/conftest.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.backends.cpu.attention import TorchPagedAttention
+from pagedllm.core.batch import ScheduledSeq
 from pagedllm.models.layers import ops as reference
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import build_metadata
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,14 +75,13 @@ def test_rms_norm(ops, tokens: int, hidden: int, with_residual: bool) -> None:
 
 
 def _metadata(slots: list[int]) -> AttentionMetadata:
-    empty = torch.zeros(0, dtype=torch.int32)
-    return AttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=len(slots),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=4,
-        query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=empty,
-        prefill_context_lens=empty, prefill_block_tables=empty.view(0, 0),
-        max_prefill_query_len=0, max_prefill_seq_len=0, decode_seq_lens=empty,
-        decode_block_tables=empty.view(0, 0), max_decode_seq_len=0)
+    """The model runner's metadata for a decode step of len(slots) tokens, with ``slots`` as its
+    slot mapping (padding and out-of-range slots included)."""
+    seqs = [ScheduledSeq(seq_id=i, token_ids=[0], start_pos=0, block_table=[0],
+                         sampling_params=SamplingParams(), num_samples=1)
+            for i in range(len(slots))]
+    meta = build_metadata(seqs, 4, torch.device("cpu"))[2]
+    return dataclasses.replace(meta, slot_mapping=torch.tensor(slots, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

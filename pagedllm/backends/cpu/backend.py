@@ -3,7 +3,7 @@ writes, fused float32 layer ops), KV cache sized in GiB."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.backends.attention import AttentionImpl
 from pagedllm.backends.interface import Backend, Capabilities
@@ -64,35 +64,34 @@ class CpuBackend(Backend):
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
-        if not self.native_ops or not _cpu_kernels_load():
+        kernels = _cpu_kernels() if self.native_ops else None
+        if kernels is None:
             return
-        from pagedllm.backends.cpu.kernels import load_cpu_kernels
         from pagedllm.backends.cpu.layer_ops import layer_ops
 
-        for name, fn in layer_ops(load_cpu_kernels()).items():
+        for name, fn in layer_ops(kernels).items():
             ops.register(name, fn)
 
 
 _fallback_logged = False
 
 
-def _cpu_kernels_load() -> bool:
-    """Whether the cpu kernels load (or build) here; when not, says why once per process: a
-    warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
+def _cpu_kernels() -> Any:
+    """torch.ops.pagedllm_cpu where the cpu kernels load (or build) here, else None, saying why
+    once per process: a warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
     global _fallback_logged
     from pagedllm.backends.cpu.kernels import cpu_kernels_disabled, load_cpu_kernels
 
     try:
-        load_cpu_kernels()
-        return True
+        return load_cpu_kernels()
     except RuntimeError as exc:
         if not _fallback_logged:
             _fallback_logged = True
             logger.log(logging.INFO if cpu_kernels_disabled() else logging.WARNING,
                        "the cpu backend runs the torch reference attention and layer ops: %s", exc)
-        return False
+        return None
 
 
 def _default_attention() -> str:
     """"native" where the cpu kernels load, else "torch"."""
-    return "native" if _cpu_kernels_load() else "torch"
+    return "native" if _cpu_kernels() is not None else "torch"
