@@ -88,6 +88,10 @@ def test_timeout_returns_partial_output(llm: LLM) -> None:
                     SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
                                    timeout_seconds=0.3))
     start = time.monotonic()
+    # the first step samples a token; the deadline then passes before the next one (without the
+    # pause a fast machine finished all 200 tokens within 0.3 s)
+    assert not any(o.finished for o in eng.step())
+    time.sleep(0.35)
     final = run_all(eng)
     out = final["slow"].outputs[0]
     assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < 200
