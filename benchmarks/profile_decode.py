@@ -105,14 +105,19 @@ KERNEL_CLASSES = [("splitKreduce", "split-K reduce"), ("paged_attention_reduce",
 def gpu_timeline(run, steps: int) -> str:
     """Runs ``run`` under torch.profiler and tabulates its CUDA kernels: per class the count and
     time per step, and the idle time between consecutive kernels charged to the kernel after it."""
-    import json
-    import tempfile
-    from collections import defaultdict
-
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
+    return timeline_table(prof, steps)
+
+
+def timeline_table(prof, steps: int) -> str:  # noqa: ANN001 - a finished torch.profiler
+    """The table ``gpu_timeline`` prints, for the kernels ``prof`` recorded over ``steps`` steps."""
+    import json
+    import tempfile
+    from collections import defaultdict
+
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
@@ -121,6 +126,7 @@ def gpu_timeline(run, steps: int) -> str:
         return "no kernels recorded"
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, busy us, gap us
     end = kernels[0]["ts"]
+    idle = 0.0  # GPU idle time at step boundaries (the host not keeping up)
     for k in kernels:
         name = k["name"]
         cls = next((c for frag, c in KERNEL_CLASSES if frag in name), name[:40])
@@ -129,6 +135,7 @@ def gpu_timeline(run, steps: int) -> str:
         row[0] += 1
         row[1] += k["dur"]
         row[2] += gap if gap < 1000 else 0.0  # a step boundary's host wait is not a kernel gap
+        idle += gap if gap >= 1000 else 0.0
         end = max(end, k["ts"] + k["dur"])
     span = (end - kernels[0]["ts"]) / steps
     lines = [f"{'class':40s} {'per step':>8s} {'busy us':>9s} {'gap before us':>13s}"]
@@ -137,7 +144,8 @@ def gpu_timeline(run, steps: int) -> str:
     busy = sum(r[1] for r in rows.values()) / steps
     gaps = sum(r[2] for r in rows.values()) / steps
     lines.append(f"{'total':40s} {sum(r[0] for r in rows.values()) / steps:8.1f} {busy:9.1f} "
-                 f"{gaps:13.1f}   (first to last kernel: {span:.1f} us per step)")
+                 f"{gaps:13.1f}   (first to last kernel: {span:.1f} us per step, "
+                 f"{idle / steps:.1f} of it idle over 1 ms gaps)")
     return "\n".join(lines)
 
 

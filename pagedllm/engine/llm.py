@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.gc_freeze import frozen_gc
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -101,12 +102,13 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(ids)
-        while self.llm_engine.has_unfinished_requests():
-            for out in self.llm_engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+        with frozen_gc():  # no full collection over the process's objects mid-run
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]

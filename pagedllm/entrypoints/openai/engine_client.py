@@ -75,6 +75,9 @@ def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the server, which exits
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    from pagedllm.engine.gc_freeze import freeze_for_process
+
+    freeze_for_process()  # this process steps the engine until it exits
     model = engine.config.model
     conn.send(("ready", ModelInfo(model.max_model_len, model.get_vocab_size(), model.tokenizer),
                engine.stats()))
