@@ -4,7 +4,8 @@
 //
 // Rounding follows the reference op by op (built with -ffp-contract=off, so no product is fused
 // into an add behind our back):
-//   * rotary, silu_and_mul and write_kv are bit-identical to the reference;
+//   * rotary and write_kv are bit-identical to the reference, and silu_and_mul is where torch runs
+//     its AVX2 kernels (the vectors built here); torch's AVX-512 exp can differ by one ulp;
 //   * rms_norm sums the squares in another order than torch's reduction, so its mean may differ in
 //     the last bit; everything after it (rsqrt, the two products) is the reference's arithmetic.
 //

@@ -44,10 +44,16 @@ def test_rotary_bit_identical(ops, tokens: int, heads: int, d: int) -> None:
 
 @pytest.mark.parametrize("tokens,inter", [(1, 16), (5, 352), (64, 2816)])
 def test_silu_and_mul_bit_identical(ops, tokens: int, inter: int) -> None:
+    """Bit for bit where torch's own CPU kernels are the AVX2 ones the kernel is built with; where
+    torch runs its AVX-512 kernels, their 16-lane exp may round the other way (one ulp)."""
     gen = torch.Generator().manual_seed(inter)
     x = torch.randn(tokens, 2 * inter, generator=gen) * 4
     x[0, :4] = torch.tensor([0.0, -0.0, 88.0, -88.0])  # exp near its range ends
-    assert _same_bits(ops["silu_and_mul"](x), reference.silu_and_mul(x))
+    got, want = ops["silu_and_mul"](x), reference.silu_and_mul(x)
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        assert _same_bits(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1.2e-7, atol=0)
 
 
 def test_silu_and_mul_odd_width_within_one_ulp(ops) -> None:

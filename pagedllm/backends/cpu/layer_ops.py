@@ -2,8 +2,10 @@
 kernels (layer_ops_cpu.cpp): one pass each for float32 2-D/3-D inputs, the torch reference for
 anything else (bfloat16/float16 models keep the reference's float32 upcasts).
 
-rotary and silu_and_mul are bit-identical to the reference; rms_norm sums its squares in another
-order than torch's mean, so a normalized value may differ in the last float32 bit. The kernels
+rotary is bit-identical to the reference, and so is silu_and_mul where torch runs its AVX2 CPU
+kernels (the ISA these are built for; torch's AVX-512 exp may round an ulp the other way);
+rms_norm sums its squares in another order than torch's mean, so a normalized value may differ in
+the last float32 bit. The kernels
 check their arguments (RuntimeError naming the argument).
 """
 from __future__ import annotations
