@@ -8,7 +8,7 @@ from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
-from pagedllm.worker.host_copy import to_device_many
+from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.sampler import GreedyLogprobs, Sampler, SampleRow
 
@@ -51,6 +51,9 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     positions += [0] * pad
     slots += [-1] * pad
 
+    def t(x: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return to_device(x, device, dtype)
+
     q_lens = [s.num_tokens for s in prefills]
     q_start = [0]
     for n in q_lens:
@@ -58,26 +61,20 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     p_seq = [s.seq_len for s in prefills]
     p_ctx = [s.start_pos for s in prefills]
     d_seq = [s.seq_len for s in decodes]
-    i32 = torch.int32
-    (slot_mapping, query_start_loc, prefill_seq_lens, prefill_context_lens, prefill_block_tables,
-     decode_seq_lens, decode_block_tables) = to_device_many(
-        [(slots, torch.int64), (q_start, i32), (p_seq, i32), (p_ctx, i32),
-         (_pad_table([s.block_table for s in prefills]), i32), (d_seq, i32),
-         (_pad_table([s.block_table for s in decodes]), i32)], device)
     meta = AttentionMetadata(
         num_prefills=len(prefills),
         num_prefill_tokens=q_start[-1],
         num_decode_tokens=len(decodes),
-        slot_mapping=slot_mapping,
+        slot_mapping=t(slots, torch.int64),
         block_size=block_size,
-        query_start_loc=query_start_loc,
-        prefill_seq_lens=prefill_seq_lens,
-        prefill_context_lens=prefill_context_lens,
-        prefill_block_tables=prefill_block_tables,
+        query_start_loc=t(q_start),
+        prefill_seq_lens=t(p_seq),
+        prefill_context_lens=t(p_ctx),
+        prefill_block_tables=t(_pad_table([s.block_table for s in prefills])),
         max_prefill_query_len=max(q_lens, default=0),
         max_prefill_seq_len=max(p_seq, default=0),
-        decode_seq_lens=decode_seq_lens,
-        decode_block_tables=decode_block_tables,
+        decode_seq_lens=t(d_seq),
+        decode_block_tables=t(_pad_table([s.block_table for s in decodes])),
         max_decode_seq_len=max(d_seq, default=0),
         prefill_query_lens_list=q_lens,
         prefill_seq_lens_list=p_seq,
@@ -125,38 +122,33 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         input_ids, positions, meta = build_metadata(batch.seqs, self.block_size, self.device)
         rows, sample_rows, prompt_rows = select_logit_rows(batch.seqs)
-        pending = self._pending_rows(batch, input_ids)
-        i64 = torch.int64
-        ids, pos, logit_rows, draw_rows = to_device_many(
-            [(input_ids, i64), (positions, i64), (rows, i64), (pending or [], i64)], self.device)
-        if pending is not None:  # a decode's input that the previous step sampled
-            assert self._last_draws is not None
-            ids = torch.where(ids == PENDING_TOKEN, self._last_draws[0][draw_rows], ids)
         return ModelInput(
-            input_ids=ids,
-            positions=pos,
+            input_ids=self._input_ids(batch, input_ids),
+            positions=to_device(positions, self.device, torch.int64),
             metadata=meta,
-            logit_rows=logit_rows,
+            logit_rows=to_device(rows, self.device, torch.int64),
             sample_rows=sample_rows,
             prompt_rows=prompt_rows,
             num_real_tokens=len(input_ids),
         )
 
-    def _pending_rows(self, batch: ScheduledBatch, input_ids: list[int]) -> list[int] | None:
-        """Per token, the row of the previous step's draws that holds its id where any token is
-        PENDING_TOKEN (a decode's input that the previous step sampled, still on the device);
-        None when none is."""
+    def _input_ids(self, batch: ScheduledBatch, input_ids: list[int]) -> torch.Tensor:
+        """[num_tokens] int64 on the device; PENDING_TOKEN entries (a decode's input that the
+        previous step sampled) are taken from that step's device-side draws."""
+        ids = to_device(input_ids, self.device, torch.int64)
         if PENDING_TOKEN not in input_ids:
-            return None
+            return ids
         if self._last_draws is None:
             raise RuntimeError("a scheduled token is pending but no step was sampled before it")
-        row_of = self._last_draws[1]
+        draws, row_of = self._last_draws
         try:
-            return [row_of[s.seq_id] if s.token_ids[0] == PENDING_TOKEN else 0 for s in batch.seqs
+            rows = [row_of[s.seq_id] if s.token_ids[0] == PENDING_TOKEN else 0 for s in batch.seqs
                     for _ in range(s.num_tokens)]
         except KeyError as exc:
             raise RuntimeError(f"sequence {exc} has a pending token that the previous step did "
                                f"not sample") from None
+        from_draws = draws[to_device(rows, self.device, torch.int64)]
+        return torch.where(ids == PENDING_TOKEN, from_draws, ids)
 
     def forward(self, inp: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] float32."""
