@@ -26,3 +26,44 @@ def test_packed_linear_matches_reference(dtype: torch.dtype, tol: float, bias: b
         assert out.dtype == dtype and not out.isnan().any()
         err = (out.double() - ref).norm() / ref.norm()
         assert err < tol, (dtype, rows, err)
+
+
+@pytest.fixture
+def half_route(monkeypatch):
+    """Sets PAGEDLLM_CPU_HALF_LINEAR (None: unset) with a fresh cached choice."""
+    def set_route(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ops.HALF_LINEAR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ops.HALF_LINEAR_ENV, value)
+        ops.half_compute_dtype.cache_clear()
+
+    yield set_route
+    ops.half_compute_dtype.cache_clear()
+
+
+@pytest.mark.parametrize("route", ["native", "float32", None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_models_run_the_chosen_route_correctly(half_route, route, dtype) -> None:
+    half_route(route)
+    native_ok = ops.onednn_linear_supported(dtype)
+    want = {"native": dtype if native_ok else torch.float32, "float32": torch.float32}
+    got = ops.half_compute_dtype(dtype)
+    assert got == want[route] if route else got in (dtype, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.randn(48, 32, generator=gen).to(dtype), requires_grad=False)
+    layer.bias = None
+    ops.linear_prepare(layer)
+    if ops.onednn_linear_supported(torch.float32):
+        assert layer.compute_dtype == got
+    x = torch.randn(5, 32, generator=gen).to(dtype)
+    out = ops.linear(x, layer)
+    ref = x.double() @ layer.weight.double().T
+    assert out.dtype == dtype and ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_bad_half_route_names_the_variable_and_choices(half_route) -> None:
+    half_route("fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_HALF_LINEAR='fast'.*native.*float32"):
+        ops.half_compute_dtype(torch.bfloat16)

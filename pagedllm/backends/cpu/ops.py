@@ -1,14 +1,20 @@
 """Faster CPU ops: oneDNN (mkldnn) linear with weights pre-packed once at load time.
 
-Half-precision models on CPUs without native bf16/fp16 matrix instructions (AVX2 only): oneDNN
-refuses them and torch's fallback GEMM runs ~20x slower than fp32. There the weights are packed
-as float32 (their values are exactly representable) and the input is upcast: products of half
-values are exact in float32 and accumulation is in float32, as a native bf16 GEMM with fp32
-accumulation does; the output is rounded back to the model dtype.
+Half-precision models: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
+fallback runs ~20x slower than fp32), or has one that is slower than its float32 GEMM (AVX-512
+CPUs with the bf16 dot-product instructions but no AMX: 1.39x slower on the benchmark's decode
+shapes), the weights are packed as float32 (their values are exactly representable) and the input
+is upcast: products of half values are exact in float32 and accumulation is in float32, as a
+native bf16 GEMM with fp32 accumulation does; the output is rounded back to the model dtype. The
+float32 route costs twice the weight memory. Which route runs is decided once per process by
+timing both on a decode-sized GEMM (``half_compute_dtype``); PAGEDLLM_CPU_HALF_LINEAR=native or
+float32 forces one.
 """
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import Any
 
 import torch
@@ -32,9 +38,56 @@ def onednn_linear_supported(dtype: torch.dtype) -> bool:
         return False
 
 
+HALF_LINEAR_ENV = "PAGEDLLM_CPU_HALF_LINEAR"
+HALF_LINEAR_CHOICES = ("native", "float32")
+
+
+@functools.lru_cache(maxsize=None)
+def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``dtype`` (bf16/fp16) model's linears run in: ``dtype`` itself where oneDNN
+    runs it natively and not slower than the float32 route, else float32 (see the module doc)."""
+    choice = os.environ.get(HALF_LINEAR_ENV, "").strip().lower()
+    if choice and choice not in HALF_LINEAR_CHOICES:
+        raise ValueError(f"{HALF_LINEAR_ENV}={choice!r} is not one of {HALF_LINEAR_CHOICES}")
+    if not onednn_linear_supported(dtype):
+        return torch.float32
+    if choice:
+        return dtype if choice == "native" else torch.float32
+    if not onednn_linear_supported(torch.float32):
+        return dtype
+    native, upcast = _time_routes(dtype)
+    return dtype if native <= upcast else torch.float32
+
+
+def _time_routes(dtype: torch.dtype, rounds: int = 7) -> tuple[float, float]:
+    """Median seconds of a 64 x 1024 @ 1024 x 2048 packed linear natively in ``dtype`` and
+    through float32 (input upcast, output rounded back), the two timed in alternation."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2048, 1024, generator=gen).to(dtype)
+    x = torch.randn(64, 1024, generator=gen).to(dtype)
+    packed = {c: torch.ops.mkldnn._reorder_linear_weight(w.to(c), 64)
+              for c in (dtype, torch.float32)}
+
+    def run(compute: torch.dtype) -> float:
+        start = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x.to(compute), packed[compute], None, "none", [],
+                                           "").to(dtype)
+        return time.perf_counter() - start
+
+    times: dict[torch.dtype, list[float]] = {dtype: [], torch.float32: []}
+    for i in range(rounds + 2):  # the first two rounds create oneDNN's primitives
+        for compute in times:
+            t = run(compute)
+            if i >= 2:
+                times[compute].append(t)
+    native, upcast = (sorted(v)[len(v) // 2] for v in times.values())
+    return native, upcast
+
+
 def linear_prepare(layer: Any) -> None:
     weight = layer.weight.data
-    compute = weight.dtype if onednn_linear_supported(weight.dtype) else torch.float32
+    compute = (weight.dtype if weight.dtype == torch.float32
+               else half_compute_dtype(weight.dtype))
     if not onednn_linear_supported(compute):
         return  # no oneDNN: plain F.linear
     bias = getattr(layer, "bias", None)
