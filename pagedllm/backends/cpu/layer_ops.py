@@ -5,8 +5,7 @@ anything else (bfloat16/float16 models keep the reference's float32 upcasts).
 rotary is bit-identical to the reference, and so is silu_and_mul where torch runs its AVX2 CPU
 kernels (the ISA these are built for; torch's AVX-512 exp may round an ulp the other way);
 rms_norm sums its squares in another order than torch's mean, so a normalized value may differ in
-the last float32 bit. The kernels
-check their arguments (RuntimeError naming the argument).
+the last float32 bit. The kernels check their arguments (RuntimeError naming the argument).
 """
 from __future__ import annotations
 
