@@ -61,39 +61,38 @@ def main() -> None:
         gc.collect()
         gc.disable()
     frozen = frozen_gc() if args.gc == "frozen" else contextlib.nullcontext()
-    frozen.__enter__()
     windows = {first: count for first, count in args.timeline or []}
     window: list = []  # [profiler, last step, [(kind, ms)]] while one is open
-    start = time.perf_counter()
-    index = 0
-    while engine.has_unfinished_requests():
-        if index in windows:
-            window = [_open_timeline(), index + windows[index] - 1, []]
-        inflight = engine._inflight
-        scheduled.clear()
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        # the step this call applied: the one launched ahead by the previous call, else its own
-        batch = inflight[0].batch if inflight is not None else scheduled[0].batch
-        tokens = sum(s.num_tokens for s in batch.seqs)
-        prefill = tokens > len(batch.seqs)
-        kind = ("with prefill" if prefill else "decode") + (
-            ", launched ahead" if inflight is not None else ", scheduled after the previous")
-        row = totals[kind]
-        row[0] += 1
-        row[1] += dt
-        row[2] += len(batch.seqs)
-        row[3] += tokens
-        times[kind].append(dt * 1e3)
-        if window:
-            window[2].append((kind, dt * 1e3))
-            if index == window[1]:
-                _close_timeline(window)
-                window = []
-        index += 1
-    wall = time.perf_counter() - start
-    frozen.__exit__(None, None, None)
+    with frozen:
+        start = time.perf_counter()
+        index = 0
+        while engine.has_unfinished_requests():
+            if index in windows:
+                window = [_open_timeline(), index + windows[index] - 1, []]
+            inflight = engine._inflight
+            scheduled.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            # the step this call applied: the one launched ahead by the previous call, else its own
+            batch = inflight[0].batch if inflight is not None else scheduled[0].batch
+            tokens = sum(s.num_tokens for s in batch.seqs)
+            prefill = tokens > len(batch.seqs)
+            kind = ("with prefill" if prefill else "decode") + (
+                ", launched ahead" if inflight is not None else ", scheduled after the previous")
+            row = totals[kind]
+            row[0] += 1
+            row[1] += dt
+            row[2] += len(batch.seqs)
+            row[3] += tokens
+            times[kind].append(dt * 1e3)
+            if window:
+                window[2].append((kind, dt * 1e3))
+                if index == window[1]:
+                    _close_timeline(window)
+                    window = []
+            index += 1
+        wall = time.perf_counter() - start
     out_tokens = args.num_prompts * args.output_len
     print(f"{args.num_prompts} prompts x {args.input_len}/{args.output_len}, max_num_seqs "
           f"{args.max_num_seqs}: {wall:.2f} s, {out_tokens / wall:.0f} output tok/s, "
