@@ -35,3 +35,14 @@ def test_defaults_match_vllm() -> None:
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.stop) == (1, 1.0, 1.0, -1, 16, [])
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def test_clone_shares_no_container() -> None:
+    p = SamplingParams(stop=["a"], stop_token_ids=[3], seed=5, temperature=0.5)
+    p.all_stop_token_ids.add(9)
+    c = p.clone()
+    assert c == p and c.all_stop_token_ids == {3, 9}
+    c.stop.append("b")
+    c.stop_token_ids.append(4)
+    c.all_stop_token_ids.add(11)
+    assert (p.stop, p.stop_token_ids, p.all_stop_token_ids) == (["a"], [3], {3, 9})

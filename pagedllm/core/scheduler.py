@@ -57,8 +57,7 @@ class Scheduler:
         self._enqueue_waiting(group)
 
     def _enqueue_waiting(self, group: SequenceGroup) -> None:
-        keys = [g.sort_key() for g in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, group.sort_key()), group)
+        bisect.insort_right(self.waiting, group, key=SequenceGroup.sort_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

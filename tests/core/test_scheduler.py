@@ -152,6 +152,14 @@ def test_priority_order_admission() -> None:
     assert out.entries[0][0].request_id == "high"
 
 
+def test_waiting_queue_sorted_by_priority_then_arrival_then_order() -> None:
+    s = make_sched()
+    specs = [(2, 1.0), (0, 3.0), (2, 0.5), (1, 3.0), (0, 3.0), (0, 1.0), (2, 1.0)]
+    for i, (priority, arrival) in enumerate(specs):
+        s.add(make_group(str(i), 4, priority=priority, arrival=arrival))
+    assert [g.request_id for g in s.waiting] == ["5", "1", "4", "3", "2", "0", "6"]
+
+
 def test_timeout_finishes_with_partial_output() -> None:
     s = make_sched()
     g = make_group("t", 4, max_tokens=50, timeout=0.05)

@@ -18,12 +18,13 @@ def clean_gc():
 
 
 def test_frozen_during_generate_and_handed_back_after(llm: LLM, clean_gc) -> None:
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     engine = llm.llm_engine
     plain_step = engine.step
+    thresholds = gc.get_threshold()
 
-    def step():  # noqa: ANN202 - records the freeze count while the run steps
-        seen.append(gc.get_freeze_count())
+    def step():  # noqa: ANN202 - records the freeze count and full-collection threshold
+        seen.append((gc.get_freeze_count(), gc.get_threshold()[2]))
         return plain_step()
 
     engine.step = step  # type: ignore[method-assign]
@@ -32,8 +33,10 @@ def test_frozen_during_generate_and_handed_back_after(llm: LLM, clean_gc) -> Non
     finally:
         del engine.step
     assert len(out[0].outputs[0].token_ids) == 3
-    assert seen and min(seen) > 0, "objects alive before the run were not frozen during it"
+    assert seen and min(f for f, _ in seen) > 0, "objects alive before the run were not frozen"
+    assert min(t for _, t in seen) > 10**6, "full collections could run mid-run"
     assert gc.get_freeze_count() == 0, "the freeze outlived the run"
+    assert gc.get_threshold() == thresholds, "the collector's thresholds were not restored"
 
 
 def test_garbage_from_before_the_run_is_still_collected_after(clean_gc) -> None:
@@ -51,12 +54,30 @@ def test_garbage_from_before_the_run_is_still_collected_after(clean_gc) -> None:
     assert ref() is None  # handed back at exit, so freed by the next collection
 
 
-def test_an_existing_freeze_is_left_alone(clean_gc) -> None:
-    gc.freeze()
-    before = gc.get_freeze_count()
+def test_the_collector_still_frees_the_runs_cycles_on_its_own(clean_gc) -> None:
+    class Node:
+        other: object = None
+
     with frozen_gc():
-        pass
+        refs = []
+        for _ in range(100):
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+            refs.append(weakref.ref(a))
+        del a, b
+        churn = [[i] for i in range(20 * gc.get_threshold()[0])]  # allocations trigger collections
+        del churn
+        assert sum(r() is None for r in refs) == len(refs)
+
+
+def test_an_existing_freeze_is_left_alone_and_full_collections_still_held(clean_gc) -> None:
+    gc.freeze()
+    before, thresholds = gc.get_freeze_count(), gc.get_threshold()
+    with frozen_gc():
+        assert gc.get_freeze_count() == before
+        assert gc.get_threshold()[2] > 10**6
     assert gc.get_freeze_count() == before > 0
+    assert gc.get_threshold() == thresholds
 
 
 def test_disabled_collector_is_left_disabled(clean_gc) -> None:
