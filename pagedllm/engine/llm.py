@@ -66,17 +66,18 @@ class LLM:
                 final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
         params = [final[id(p)] for p in params]
         ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, p)
-                ids.append(rid)
-        except Exception:
-            self.llm_engine.abort_request(ids)
-            while self.llm_engine.has_unfinished_requests():
-                self.llm_engine.step()
-            raise
-        return self._run(ids, use_tqdm)
+        with frozen_gc():  # no full collection over the process's objects mid-run
+            try:
+                for prompt, p in zip(prompts, params):
+                    rid = str(next(self._counter))
+                    self.llm_engine.add_request(rid, prompt, p)
+                    ids.append(rid)
+            except Exception:
+                self.llm_engine.abort_request(ids)
+                while self.llm_engine.has_unfinished_requests():
+                    self.llm_engine.step()
+                raise
+            return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -102,13 +103,12 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(ids)
-        with frozen_gc():  # no full collection over the process's objects mid-run
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
