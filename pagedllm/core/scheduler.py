@@ -266,18 +266,22 @@ class Scheduler:
         """The step after ``prev`` while ``prev`` still runs: each sequence ``prev`` samples for
         decodes its pending token (PENDING_TOKEN; the worker takes it from prev's draws).
 
-        None when the plain ``schedule()`` after prev's outputs could decide differently: requests
-        waiting or swapped that could be admitted, running requests prev did not sample, a
-        request whose next step needs prev's tokens on the host (penalties, best_of forks,
-        prompt logprobs) or has a deadline, or too few free blocks (that would preempt).
+        Waiting requests are admitted into the sequence slots and tokens that the continuing
+        decodes leave, as the plain ``schedule()`` would admit them after prev's outputs (so the
+        host prepares a step with new prompts while the device still runs prev).
+
+        None when the plain ``schedule()`` could decide differently: requests swapped out,
+        running requests prev did not sample, a request whose next step needs prev's tokens on
+        the host (penalties, best_of forks, prompt logprobs) or has a deadline, too few free
+        blocks for the decodes (that would preempt) or for whatever the budgets could admit,
+        or waiting requests with prefix caching on (prev's blocks are not yet in the cache).
         Sequences that prev's token finishes by length are left out; one that stops on a sampled
         token (EOS, stop string) computes one wasted token, dropped when its output is applied.
         """
         if self.swapped:
             return None
         sampled = {e.seq_id for e in prev.batch.seqs if e.num_samples > 0}
-        chunks: list[tuple[SequenceGroup, Sequence]] = []
-        ending = 0
+        chunks: list[tuple[SequenceGroup, Sequence]] = []  # the sequences prev does not finish
         for group in self.running:
             params = group.sampling_params
             if (group.deadline is not None or (params.best_of > 1 and not group.forked)
@@ -287,20 +291,28 @@ class Scheduler:
                 if seq.seq_id not in sampled or seq.num_computed_tokens != len(seq):
                     return None
                 outputs = seq.num_output_tokens + 1  # once prev's token is appended
-                if ((params.max_tokens is not None and outputs >= params.max_tokens)
+                if not ((params.max_tokens is not None and outputs >= params.max_tokens)
                         or len(seq) + 1 >= self.config.max_model_len):
-                    ending += 1
-                else:
                     chunks.append((group, seq))
-        # every unfinished running sequence is in chunks or ending by here
-        if not chunks or (ending and self.waiting) or (
-                self.waiting and len(chunks) + ending < self.config.max_num_seqs):
+        budget = _Budget(self.config.max_num_batched_tokens - len(chunks),
+                         self.config.max_num_seqs - len(chunks))
+        admit = bool(self.waiting) and budget.seqs > 0 and budget.tokens > 0
+        if admit and not self._can_admit_ahead(budget, len(chunks)):
+            return None
+        if not (chunks or admit):
             return None
         if not self.block_manager.can_append((seq, 1) for _, seq in chunks):
             return None
         out = SchedulerOutput(batch=ScheduledBatch())
-        for group, seq in chunks:
+        for _, seq in chunks:
             out.batch.blocks_to_copy.extend(self.block_manager.append_slots(seq, 1))
+        admitted: list[tuple[SequenceGroup, list[Chunk]]] = []
+        if admit:
+            self._schedule_waiting(budget, admitted)
+            if not (chunks or admitted):
+                return None
+        self._build_batch(out, admitted)  # the new prompts, then the decodes of pending tokens
+        for group, seq in chunks:
             out.batch.seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id, token_ids=[PENDING_TOKEN], start_pos=seq.num_computed_tokens,
                 block_table=self.block_manager.block_tables[seq.seq_id],
@@ -311,6 +323,15 @@ class Scheduler:
         out.batch.finished_seq_ids = self._finished_seq_ids
         self._finished_seq_ids = []
         return out
+
+    def _can_admit_ahead(self, budget: _Budget, num_decodes: int) -> bool:
+        """Whether admitting ahead is sure to admit what the plain schedule() would: no prefix
+        caching, no deadlines, and enough free blocks for the most the budgets allow (each
+        sequence's tokens plus a partial block) on top of one new block per decode."""
+        if self.block_manager.enable_caching or any(g.deadline is not None for g in self.waiting):
+            return False
+        worst = budget.tokens // self.block_manager.block_size + budget.seqs + num_decodes
+        return self.block_manager.device.num_available - worst >= self.block_manager.watermark_blocks
 
     def after_step(self, out: SchedulerOutput) -> None:
         """The step's KV is written: full blocks may now serve as prefix-cache hits."""

@@ -160,6 +160,26 @@ def test_waiting_queue_sorted_by_priority_then_arrival_then_order() -> None:
     assert [g.request_id for g in s.waiting] == ["5", "1", "4", "3", "2", "0", "6"]
 
 
+@pytest.mark.parametrize("blocks", [64, 10])
+def test_schedule_ahead_admits_waiting_only_with_blocks_to_spare(blocks: int) -> None:
+    s = make_sched(blocks=blocks, block_size=4, max_seqs=2, max_tokens=64)
+    a = make_group("a", 4, max_tokens=1, arrival=1.0)  # prev's token finishes it
+    b = make_group("b", 4, max_tokens=8, arrival=2.0)
+    c = make_group("c", 4, max_tokens=4, arrival=3.0)
+    for g in (a, b, c):
+        s.add(g)
+    prev = s.schedule()
+    assert [g.request_id for g, _ in prev.entries] == ["a", "b"]
+    ahead = s.schedule_ahead(prev)
+    if blocks == 10:  # 8 free: fewer than the 63 // 4 + 1 + 1 the budgets could need
+        assert ahead is None and [g.request_id for g in s.waiting] == ["c"]
+        return
+    assert ahead is not None
+    assert [(g.request_id, sq.num_tokens) for (g, _), sq in zip(ahead.entries, ahead.batch.seqs)] \
+        == [("c", 4), ("b", 1)]
+    assert not s.waiting
+
+
 def test_timeout_finishes_with_partial_output() -> None:
     s = make_sched()
     g = make_group("t", 4, max_tokens=50, timeout=0.05)

@@ -130,3 +130,39 @@ def test_new_requests_are_not_held_back(pair: tuple[LLM, LLM]) -> None:
     while eng.has_unfinished_requests():
         eng.step()
     assert_drained(eng)
+
+
+def _ahead_prompt_tokens(llm: LLM) -> tuple[list[int], object]:
+    """Records, for each step scheduled ahead, how many prompt tokens it carries."""
+    sched = llm.llm_engine.scheduler
+    plain = sched.schedule_ahead
+    counts: list[int] = []
+
+    def schedule_ahead(prev):  # noqa: ANN001, ANN202 - records, then behaves as the original
+        out = plain(prev)
+        if out is not None:
+            counts.append(sum(s.num_tokens for s in out.batch.seqs if s.num_tokens > 1))
+        return out
+
+    sched.schedule_ahead = schedule_ahead  # type: ignore[method-assign]
+    return counts, plain
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_waiting_requests_are_admitted_ahead(llama_path: str, chunked: bool) -> None:
+    """Sequences that end by length free their slots; the step after is scheduled ahead with
+    the next prompts in them, and every request ends as on the plain path."""
+    kw = dict(max_num_seqs=2, enable_chunked_prefill=chunked,
+              max_num_batched_tokens=16 if chunked else None)
+    plain, ahead = _make(llama_path, False, **kw), _make(llama_path, True, **kw)
+    counts, _ = _ahead_prompt_tokens(ahead)
+    params = [_greedy(max_tokens=m, ignore_eos=True) for m in (3, 7, 4, 9, 2, 6)]
+    assert _run(ahead, params) == _run(plain, params)
+    assert sum(1 for c in counts if c > 0) >= 3, counts  # prompts admitted in steps ahead
+
+
+def test_no_admission_ahead_with_prefix_caching(llama_path: str) -> None:
+    ahead = _make(llama_path, True, max_num_seqs=2, enable_prefix_caching=True)
+    counts, _ = _ahead_prompt_tokens(ahead)
+    _run(ahead, [_greedy(max_tokens=m, ignore_eos=True) for m in (3, 7, 4, 9, 2, 6)])
+    assert counts and not any(counts)
