@@ -15,7 +15,8 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-# CPython runs a full collection after this many young (generation 1) collections at most
+# the generation-2 threshold during a run: a full collection waits for more generation-1
+# collections than any run makes
 _NEVER = 2**30
 
 
