@@ -12,7 +12,10 @@
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
-# under .carry/pc (ignored by git) so later stages on a warm machine reuse it.
+# under .carry/pc (ignored by git) so later stages on a warm machine reuse it. A fresh machine
+# skips the ~90 s build when the call carries .carry/pc holding the library of an earlier build
+# (.carry/pc/<hash>/pagedllm_C.so, the hash being that of the unchanged csrc/, flags and torch):
+# bring it back once with `cp .carry/pc/*/pagedllm_C.so $OUT/` and put it under the same hash.
 set -uo pipefail
 OUT="${OUT:-h200-logs}"
 mkdir -p "$OUT"

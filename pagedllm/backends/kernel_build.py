@@ -5,14 +5,22 @@ Sources: pagedllm/_csrc in a regular install (setup.py ships csrc/ there as pack
 csrc/ next to the package in a repository checkout or editable install. Builds:
 $PAGEDLLM_CACHE_DIR (default ~/.cache/pagedllm/kernels)/<hash>, where the hash covers the torch
 version, the build target, the compile flags and every source file's name and bytes, so a change
-to any of them builds anew and unchanged inputs load the earlier build.
+to any of them builds anew and unchanged inputs load the earlier build: ``jit_load`` loads a
+library found there as it is, without asking ninja, whose timestamp check would rebuild
+everything for sources that were copied (fresh mtimes, same bytes), e.g. onto a new machine
+together with the cache.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from types import ModuleType
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../pagedllm
 
@@ -41,3 +49,35 @@ def build_directory(files: Sequence[str], target: str, flags: dict[str, list[str
     path = cache_root() / digest.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def jit_load(name: str, sources: Sequence[str], build_dir: Path, is_python_module: bool = True,
+             **build_kwargs: Any) -> ModuleType | None:
+    """The library ``name`` from ``build_dir`` (a ``build_directory``): loaded as it is when an
+    earlier build left it there, else built with torch.utils.cpp_extension.load(**build_kwargs).
+    Returns the module (is_python_module) or None (a library of torch ops, now registered)."""
+    library = build_dir / f"{name}.so"
+    if library.is_file():
+        try:
+            return _load_library(name, library, is_python_module)
+        except (ImportError, OSError) as exc:  # e.g. a build killed while linking
+            logger.warning("rebuilding %s: the library in %s does not load (%s)", name, build_dir,
+                           exc)
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=list(sources), build_directory=str(build_dir),
+                is_python_module=is_python_module, **build_kwargs)
+
+
+def _load_library(name: str, library: Path, is_python_module: bool) -> ModuleType | None:
+    if not is_python_module:
+        import torch
+
+        torch.ops.load_library(str(library))
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -18,7 +18,7 @@ import os
 import threading
 from typing import Any
 
-from pagedllm.backends.kernel_build import build_directory, csrc_dir
+from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ def compile_flags() -> list[str]:
 
 def _build() -> Any:
     import torch
-    from torch.utils.cpp_extension import load
 
     src = csrc_dir()
     if src is None:
@@ -62,10 +61,9 @@ def _build() -> Any:
     build_dir = build_directory(sources, "cpu", {"cxx": flags})
     logger.info("loading the pagedllm cpu kernels from %s (the first use builds them, ~20 s)",
                 build_dir)
-    load(name="pagedllm_cpu", sources=sources, extra_cflags=flags,
-         extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-         build_directory=str(build_dir), is_python_module=False,
-         verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
+    jit_load("pagedllm_cpu", sources, build_dir, is_python_module=False, extra_cflags=flags,
+             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+             verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
     return torch.ops.pagedllm_cpu
 
 

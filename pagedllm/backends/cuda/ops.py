@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
 
 from pagedllm.backends.kernel_build import PACKAGE_DIR as _PACKAGE_DIR
-from pagedllm.backends.kernel_build import build_directory, csrc_dir
+from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 
 if TYPE_CHECKING:
     import torch
@@ -56,20 +56,19 @@ def _jit_build() -> ModuleType:
             "cannot build the pagedllm GPU kernels: torch has no CUDA/HIP support or no nvcc/hipcc "
             "was found (set CUDA_HOME or ROCM_HOME), or PAGEDLLM_TARGET_DEVICE=cpu"
         )
-    from torch.utils.cpp_extension import load
-
     ext.ensure_default_arch(device)
     sources = ext.kernel_sources(src)
     flags = ext.compile_args(device)
     build_dir = build_directory(sources + ext.kernel_headers(src), device, flags)
-    logger.info("building pagedllm %s kernels in %s (first use; takes a few minutes)", device, build_dir)
-    return load(
-        name="pagedllm_C",
-        sources=sources,
+    logger.info("loading the pagedllm %s kernels from %s (the first use builds them: minutes)",
+                device, build_dir)
+    return jit_load(
+        "pagedllm_C",
+        sources,
+        build_dir,
         extra_cflags=flags["cxx"],
         extra_cuda_cflags=flags["nvcc"],
         extra_include_paths=[str(src)],
-        build_directory=str(build_dir),
         verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1",
     )
 
