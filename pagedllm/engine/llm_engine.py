@@ -100,7 +100,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
         vocab = self.config.model.get_vocab_size()
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        fast = (set(map(type, token_ids)) <= {int} and min(token_ids) >= 0
+                and max(token_ids) < vocab)  # C loops; the list below names the culprit
+        bad = [] if fast else [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range: token ids must be in "
                              f"[0, {vocab - 1}]")

@@ -47,6 +47,8 @@ def test_chat_applies_template(llm: LLM) -> None:
 @pytest.mark.parametrize("prompt,match", [
     ({"prompt_token_ids": []}, "prompt is empty"),
     ({"prompt_token_ids": [1, 10**6]}, "out of range"),
+    ({"prompt_token_ids": [3, -1, 4]}, "token id -1 is out of range"),
+    ({"prompt_token_ids": [3, 4.0]}, "token id 4.0 is out of range"),
     ({"prompt_token_ids": [5] * 300}, "max_model_len=256"),
     (3.5, "prompt must be"),
 ])
