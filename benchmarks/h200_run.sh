@@ -5,6 +5,8 @@
 #                                            # (+ the Triton sampling kernel's)
 #   bash benchmarks/h200_run.sh kernel       # decode kernel vs copy bandwidth
 #   bash benchmarks/h200_run.sh throughput   # Llama-3-8B shape, 1000 x 128/128, pagedllm vs HF
+#   bash benchmarks/h200_run.sh alone        # the same, pagedllm alone (~40 s instead of ~3 min)
+#   bash benchmarks/h200_run.sh steps        # the same workload's step timeline (step_timeline.py)
 #   bash benchmarks/h200_run.sh latency      # Llama-3-8B shape, batch 1, 128/128, pagedllm vs HF
 #   bash benchmarks/h200_run.sh conformance  # the porting kit's suite with --device cuda
 #   bash benchmarks/h200_run.sh profile      # ms per decode step at batch 256 and 1, with and
@@ -23,7 +25,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PAGEDLLM_CACHE_DIR="$PWD/.ca
 export TOKENIZERS_PARALLELISM=false
 MODEL=.carry/llama3-8b-shape
 BENCH=(python benchmarks/throughput.py --model "$MODEL" --load-format dummy --dtype bfloat16
-       --device cuda --input-len 128 --output-len 128 --backend pagedllm,hf --kv-cache-gib 0)
+       --device cuda --input-len 128 --output-len 128 --kv-cache-gib 0)
 
 env_report() {
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -37,7 +39,7 @@ model() {
     --dtype bfloat16
 }
 
-case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
+case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profile}" in
   tests)
     env_report
     /usr/bin/time -f "kernel build %e s" python -c \
@@ -50,14 +52,21 @@ case "${1:?stage: tests|kernel|throughput|latency|conformance|profile}" in
   kernel)
     python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"
     ;;
-  throughput)
+  throughput|alone)
     model
-    "${BENCH[@]}" --num-prompts 1000 --hf-batch-size 256 --warmup-prompts 256 \
+    backends=pagedllm,hf
+    [ "$1" = alone ] && backends=pagedllm
+    "${BENCH[@]}" --backend "$backends" --num-prompts 1000 --hf-batch-size 256 --warmup-prompts 256 \
       --log-dir "$OUT/throughput" --output-json "$OUT/throughput.json" "${@:2}" 2>&1 | tail -14
+    ;;
+  steps)
+    model
+    python benchmarks/step_timeline.py --model "$MODEL" --load-format dummy --device cuda \
+      --dtype bfloat16 "${@:2}" 2>&1 | grep -v "^pagedllm" | tee "$OUT/steps.log"
     ;;
   latency)
     model
-    "${BENCH[@]}" --num-prompts 1 --hf-batch-size 1 --warmup-prompts 1 \
+    "${BENCH[@]}" --backend pagedllm,hf --num-prompts 1 --hf-batch-size 1 --warmup-prompts 1 \
       --log-dir "$OUT/latency" --output-json "$OUT/latency.json" "${@:2}" 2>&1 | tail -14
     ;;
   conformance)
