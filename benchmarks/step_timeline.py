@@ -107,29 +107,12 @@ def main() -> None:
         pagedllm.engine.llm.frozen_gc = contextlib.nullcontext  # type: ignore[assignment]
     elif args.gc == "freeze-only":
         pagedllm.engine.llm.frozen_gc = _freeze_only  # type: ignore[assignment]
-    collections: list[tuple[int, float]] = []  # (generation, seconds) of each GC collection
-    gc_start: list = [0.0, None]  # start time, where a full collection was entered from
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_start[:] = [time.perf_counter(), None]
-            if info["generation"] == 2:
-                gc_start[1] = (threading.current_thread().name, traceback.format_stack()[-7:-1])
-            return
-        secs = time.perf_counter() - gc_start[0]
-        collections.append((info["generation"], secs))
-        if gc_start[1] is not None and secs > 0.02:
-            thread, stack = gc_start[1]
-            print(f"full collection of {secs * 1e3:.1f} ms (collected {info['collected']}, "
-                  f"{len(gc.get_objects(2))} objects in generation 2 after it, freeze count "
-                  f"{gc.get_freeze_count()}, thresholds {gc.get_threshold()}, counts "
-                  f"{gc.get_count()}) in thread {thread}, entered from:\n" + "".join(stack))
-
-    gc.callbacks.append(on_gc)
+    gc_log = _GcLog()
+    gc.callbacks.append(gc_log)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    gc.callbacks.remove(on_gc)
+    gc.callbacks.remove(gc_log)
     in_steps = sum(row[1] for row in totals.values())
     out_tokens = args.num_prompts * args.output_len
     print(f"{args.num_prompts} prompts x {args.input_len}/{args.output_len}, max_num_seqs "
@@ -137,10 +120,7 @@ def main() -> None:
           f"{out_tokens / wall:.0f} output tok/s ({in_steps:.2f} s in {state['index']} engine "
           f"steps, {wall - in_steps:.2f} s outside them), {engine.num_steps_ahead} steps ahead, "
           f"{engine.scheduler.num_preemptions} preemptions")
-    for gen in sorted({g for g, _ in collections}):
-        secs = [t for g, t in collections if g == gen]
-        print(f"GC generation {gen}: {len(secs)} collections, {sum(secs) * 1e3:.1f} ms in all, "
-              f"longest {max(secs) * 1e3:.1f} ms")
+    gc_log.report()
     print(f"{'kind':45s} {'steps':>6s} {'seconds':>8s} {'ms/step':>8s} {'seqs/step':>9s} "
           f"{'tokens/step':>11s}")
     for kind, (steps, secs, seqs, tokens) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
@@ -154,6 +134,39 @@ def main() -> None:
         slowest = sorted(range(len(ms)), key=lambda i: -ms[i])[:5]
         print(f"{kind:45s} {median:8.2f} {order[int(len(order) * 0.9)]:8.2f} {order[-1]:8.2f} "
               f"{excess:13.2f}  " + ", ".join(f"#{i} {ms[i]:.1f}" for i in slowest))
+
+
+class _GcLog:
+    """A gc.callbacks entry: each collection's generation and duration; a full collection over
+    20 ms is printed at once with where it was entered from and the collector's state."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = 0.0
+        self._entered: tuple[str, list[str]] | None = None  # thread, stack of a full collection
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            self._entered = None
+            if info["generation"] == 2:
+                self._entered = (threading.current_thread().name,
+                                 traceback.format_stack()[-7:-1])
+            return
+        secs = time.perf_counter() - self._start
+        self.collections.append((info["generation"], secs))
+        if self._entered is not None and secs > 0.02:
+            thread, stack = self._entered
+            print(f"full collection of {secs * 1e3:.1f} ms (collected {info['collected']}, "
+                  f"{len(gc.get_objects(2))} objects in generation 2 after it, freeze count "
+                  f"{gc.get_freeze_count()}, thresholds {gc.get_threshold()}, counts "
+                  f"{gc.get_count()}) in thread {thread}, entered from:\n" + "".join(stack))
+
+    def report(self) -> None:
+        for gen in sorted({g for g, _ in self.collections}):
+            secs = [t for g, t in self.collections if g == gen]
+            print(f"GC generation {gen}: {len(secs)} collections, {sum(secs) * 1e3:.1f} ms in "
+                  f"all, longest {max(secs) * 1e3:.1f} ms")
 
 
 @contextlib.contextmanager
