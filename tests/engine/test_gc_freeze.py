@@ -88,3 +88,23 @@ def test_disabled_collector_is_left_disabled(clean_gc) -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_requests_leave_no_cyclic_garbage(llm: LLM, clean_gc) -> None:
+    """What makes holding full collections off for a whole run safe: the engine frees each
+    request by reference counting, so the held-off collections would find nothing of it."""
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+              SamplingParams(n=2, seed=3, max_tokens=5, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=6, stop=["a"], prompt_logprobs=1, temperature=0.0)]
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33]} for i in range(24)]
+    run_params = [params[i % 3] for i in range(len(prompts))]
+    llm.generate(prompts[:3], run_params[:3], use_tqdm=False)  # first-use caches are not garbage
+    gc.collect()
+    gc.disable()
+    try:
+        outs = llm.generate(prompts, run_params, use_tqdm=False)
+        assert len(outs) == len(prompts)
+        del outs
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
