@@ -43,7 +43,8 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. During the call Python's
+        cyclic garbage collector runs no full collection (engine/gc_freeze.py)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
