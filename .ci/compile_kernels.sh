@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compiles every torch-free kernel source (csrc/*.cu) with nvcc (sm_80, sm_90) and hipcc
-# (gfx90a, gfx942), no GPU needed, and syntax-checks csrc/torch_bindings.cpp against torch's headers.
+# (gfx90a, gfx942), no GPU needed, and syntax-checks the binding files (csrc/*_bindings.cpp)
+# against torch's headers.
 # Warnings are errors; spills are reported. Exits non-zero on any failure; prints one summary line
 # per compiler.
 #
@@ -66,23 +67,26 @@ fi
 HAVE_NVCC=0
 [[ -x "$NVCC" ]] && HAVE_NVCC=1
 
-# ---- torch_bindings.cpp syntax check ----------------------------------------------------------
+# ---- binding files' syntax check (torch_bindings.cpp, layer_bindings.cpp) -----------------------
 bindings_check() {
   local py="${PYTHON:-python3}" incs
   if ! incs="$("$py" -c 'import sysconfig, torch.utils.cpp_extension as c; print(" ".join(c.include_paths() + [sysconfig.get_paths()["include"]]))' 2>/dev/null)"; then
-    echo "g++ -fsyntax-only torch_bindings.cpp: skipped (torch not importable)"; return 0
+    echo "g++ -fsyntax-only bindings: skipped (torch not importable)"; return 0
   fi
   # A CPU build of torch lacks this generated header; it only carries build macros.
   mkdir -p "$OUT/stubs/c10/cuda/impl" && echo '#pragma once' > "$OUT/stubs/c10/cuda/impl/cuda_cmake_macros.h"
-  local flags=() d
+  local flags=() d src rc=0
   for d in $incs "${CUDA_HOME:-/usr/local/cuda}/include" "$OUT/stubs"; do flags+=(-isystem "$d"); done
-  if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_C "${flags[@]}" \
-      "$CSRC/torch_bindings.cpp" > "$OUT/gxx.log" 2>&1; then
-    echo "g++ -fsyntax-only torch_bindings.cpp: ok"
-  else
-    sed 's|^|[g++ bindings] |' "$OUT/gxx.log"
-    echo "g++ -fsyntax-only torch_bindings.cpp: FAILED"; return 1
-  fi
+  for src in torch_bindings.cpp layer_bindings.cpp; do
+    if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_C "${flags[@]}" \
+        "$CSRC/$src" > "$OUT/gxx-$src.log" 2>&1; then
+      echo "g++ -fsyntax-only $src: ok"
+    else
+      sed "s|^|[g++ $src] |" "$OUT/gxx-$src.log"
+      echo "g++ -fsyntax-only $src: FAILED"; rc=1
+    fi
+  done
+  return $rc
 }
 
 bindings_check > "$OUT/bindings.summary" 2>&1 & BINDINGS_PID=$!

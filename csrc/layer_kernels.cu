@@ -1,6 +1,6 @@
-// Fused elementwise layer ops: rms_norm (with the residual add), neox rotary embedding and
-// silu_and_mul; one launch each in place of the 2-5 torch kernels of the reference ops
-// (pagedllm/models/layers/ops.py).
+// Fused elementwise layer ops: rms_norm (with the residual add), neox rotary embedding (alone, or
+// in place in the qkv projection together with the K/V cache write) and silu_and_mul; one launch
+// each in place of the 2-5 torch kernels of the reference ops (pagedllm/models/layers/ops.py).
 //
 // Rounding follows the reference op by op: every value the reference materializes in the tensor
 // dtype (x + residual, the normalized row, each product of the rotary, silu(gate), the outputs) is
@@ -135,8 +135,35 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rms_norm_kernel(RmsNormArgs a) {
   }
 }
 
-// grid = (num_tokens); a thread rotates N element pairs (i, i + head_size / 2) of one head:
+// Rotates the N element pairs (i, i + half) of one head, x -> out (out may be x):
 // out1 = x1 * cos1 + (-x2) * sin1, out2 = x2 * cos2 + x1 * sin2 (rotate_half(x) = [-x2, x1]).
+// Also stores the rotated pairs at copy (a cache row) unless it is null.
+template <typename T, int N>
+PL_DEVICE void rotate_pairs(const T* x, T* out, T* copy, const T* cos, const T* sin, int i,
+                            int half) {
+  float x1[N], x2[N], c1[N], c2[N], s1[N], s2[N];
+  load<T, N>(x + i, x1);
+  load<T, N>(x + half + i, x2);
+  load<T, N>(cos + i, c1);
+  load<T, N>(cos + half + i, c2);
+  load<T, N>(sin + i, s1);
+  load<T, N>(sin + half + i, s2);
+  float o1[N], o2[N];
+  for (int j = 0; j < N; ++j) {
+    o1[j] = pl_fadd_rn(round_to<T>(pl_fmul_rn(x1[j], c1[j])),
+                       round_to<T>(pl_fmul_rn(-x2[j], s1[j])));
+    o2[j] = pl_fadd_rn(round_to<T>(pl_fmul_rn(x2[j], c2[j])),
+                       round_to<T>(pl_fmul_rn(x1[j], s2[j])));
+  }
+  store<T, N>(out + i, o1);
+  store<T, N>(out + half + i, o2);
+  if (copy != nullptr) {
+    store<T, N>(copy + i, o1);
+    store<T, N>(copy + half + i, o2);
+  }
+}
+
+// grid = (num_tokens); a thread rotates N element pairs (i, i + head_size / 2) of one head.
 template <typename T, int N>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_kernel(RotaryArgs a) {
   const int64_t token = blockIdx.x;
@@ -147,25 +174,48 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_kernel(RotaryArgs a) {
   const int units = a.num_heads * units_per_head;
   for (int idx = static_cast<int>(threadIdx.x); idx < units; idx += kThreads) {
     const int head = idx / units_per_head;
-    const int i = (idx % units_per_head) * N;
     const T* x = static_cast<const T*>(a.x) + token * a.x_token_stride + head * a.x_head_stride;
     T* out = static_cast<T*>(a.out) + (token * a.num_heads + head) * a.head_size;
-    float x1[N], x2[N], c1[N], c2[N], s1[N], s2[N];
-    load<T, N>(x + i, x1);
-    load<T, N>(x + half + i, x2);
-    load<T, N>(cos + i, c1);
-    load<T, N>(cos + half + i, c2);
-    load<T, N>(sin + i, s1);
-    load<T, N>(sin + half + i, s2);
-    float o1[N], o2[N];
-    for (int j = 0; j < N; ++j) {
-      o1[j] = pl_fadd_rn(round_to<T>(pl_fmul_rn(x1[j], c1[j])),
-                         round_to<T>(pl_fmul_rn(-x2[j], s1[j])));
-      o2[j] = pl_fadd_rn(round_to<T>(pl_fmul_rn(x2[j], c2[j])),
-                         round_to<T>(pl_fmul_rn(x1[j], s2[j])));
+    rotate_pairs<T, N>(x, out, nullptr, cos, sin, (idx % units_per_head) * N, half);
+  }
+}
+
+// grid = (num_tokens); a thread rotates N element pairs of one q or k head in place (and stores a
+// k head's into the key cache), or copies N elements of one v head into the value cache.
+template <typename T, int N>
+__global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheArgs a) {
+  const int64_t token = blockIdx.x;
+  const int half = a.head_size / 2;
+  const int units_per_head = half / N;
+  const int rotated_heads = a.num_heads + a.num_kv_heads;
+  const int rotary_units = rotated_heads * units_per_head;
+  const int v_units_per_head = a.head_size / N;
+  const int units = rotary_units + a.num_kv_heads * v_units_per_head;
+  const int64_t slot = a.slot_mapping[token];
+  const bool cached = slot >= 0 && slot < a.num_blocks * a.block_size;  // else padding: no write
+  const int64_t block = cached ? slot / a.block_size : 0;
+  const int64_t offset = cached ? slot % a.block_size : 0;
+  T* row = static_cast<T*>(a.qkv) + token * a.qkv_stride;
+  T* k_slot = static_cast<T*>(a.key_cache) + block * a.kc_block_stride + offset * a.kc_token_stride;
+  T* v_slot = static_cast<T*>(a.value_cache) + block * a.vc_block_stride +
+              offset * a.vc_token_stride;
+  const T* cos = static_cast<const T*>(a.cos) + token * a.cos_stride;
+  const T* sin = static_cast<const T*>(a.sin) + token * a.sin_stride;
+  for (int idx = static_cast<int>(threadIdx.x); idx < units; idx += kThreads) {
+    if (idx < rotary_units) {
+      const int head = idx / units_per_head;
+      T* x = row + head * a.head_size;
+      const int kv_head = head - a.num_heads;  // >= 0 for a k head
+      T* copy = cached && kv_head >= 0 ? k_slot + kv_head * a.kc_head_stride : nullptr;
+      rotate_pairs<T, N>(x, x, copy, cos, sin, (idx % units_per_head) * N, half);
+    } else if (cached) {
+      const int v = idx - rotary_units;
+      const int head = v / v_units_per_head;
+      const int i = (v % v_units_per_head) * N;
+      float elems[N];
+      load<T, N>(row + (rotated_heads + head) * a.head_size + i, elems);
+      store<T, N>(v_slot + head * a.vc_head_stride + i, elems);
     }
-    store<T, N>(out + i, o1);
-    store<T, N>(out + half + i, o2);
   }
 }
 
@@ -203,6 +253,12 @@ template <typename T>
 void rotary_for(const RotaryArgs& a, bool vec, cudaStream_t stream) {
   launch_kernel(vec ? rotary_kernel<T, Vec16<T>::kElems> : rotary_kernel<T, 1>, dim3(a.num_tokens),
                 dim3(kThreads), stream, a);
+}
+
+template <typename T>
+void rotary_and_cache_for(const RotaryCacheArgs& a, bool vec, cudaStream_t stream) {
+  launch_kernel(vec ? rotary_and_cache_kernel<T, Vec16<T>::kElems> : rotary_and_cache_kernel<T, 1>,
+                dim3(a.num_tokens), dim3(kThreads), stream, a);
 }
 
 template <typename T>
@@ -250,6 +306,32 @@ cudaError_t launch_rotary(const RotaryArgs& a, cudaStream_t stream) {
     case ScalarType::kFloat32: rotary_for<float>(a, vec, stream); break;
     case ScalarType::kFloat16: rotary_for<pl_half>(a, vec, stream); break;
     case ScalarType::kBFloat16: rotary_for<pl_bf16>(a, vec, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rotary_and_cache(const RotaryCacheArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return cudaSuccess;
+  if (a.num_tokens < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.head_size <= 0 ||
+      a.head_size % 2 != 0 || a.block_size <= 0 || a.num_blocks < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t es = scalar_type_size(a.dtype);
+  const int64_t half = a.head_size / 2;
+  const auto strides16 = [es](int64_t x, int64_t y, int64_t z) {
+    return (x * es) % 16 == 0 && (y * es) % 16 == 0 && (z * es) % 16 == 0;
+  };
+  // every half row starts on a 16-byte boundary: qkv rows and heads, cos/sin rows, cache rows
+  const bool vec = rows_aligned16(a.qkv, a.qkv_stride, half, es) &&
+                   rows_aligned16(a.cos, a.cos_stride, half, es) &&
+                   rows_aligned16(a.sin, a.sin_stride, half, es) && aligned16(a.key_cache) &&
+                   aligned16(a.value_cache) &&
+                   strides16(a.kc_block_stride, a.kc_token_stride, a.kc_head_stride) &&
+                   strides16(a.vc_block_stride, a.vc_token_stride, a.vc_head_stride);
+  switch (a.dtype) {
+    case ScalarType::kFloat32: rotary_and_cache_for<float>(a, vec, stream); break;
+    case ScalarType::kFloat16: rotary_and_cache_for<pl_half>(a, vec, stream); break;
+    case ScalarType::kBFloat16: rotary_and_cache_for<pl_bf16>(a, vec, stream); break;
   }
   return cudaGetLastError();
 }

@@ -224,6 +224,37 @@ struct RotaryArgs {
 // Neox-style rotary embedding: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
 
+struct RotaryCacheArgs {
+  ScalarType dtype;               // of every tensor
+  void* qkv;                      // [num_tokens, (num_heads + 2 * num_kv_heads) * head_size]: the
+  int64_t qkv_stride;             //   q heads, k heads, v heads of each token; q and k rotated in place
+  const void* cos;                // [num_tokens, head_size]
+  int64_t cos_stride;
+  const void* sin;                // [num_tokens, head_size]
+  int64_t sin_stride;
+  void* key_cache;                // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t kc_block_stride;
+  int64_t kc_token_stride;
+  int64_t kc_head_stride;
+  void* value_cache;              // [num_blocks, block_size, num_kv_heads, head_size]
+  int64_t vc_block_stride;
+  int64_t vc_token_stride;
+  int64_t vc_head_stride;
+  const int64_t* slot_mapping;    // [num_tokens]; slot = block * block_size + offset
+  int num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;                  // even
+  int block_size;
+  int64_t num_blocks;
+};
+
+// The rotary embedding of launch_rotary applied in place to the q and k heads of a qkv projection,
+// and the rotated k and the v of each token written into the caches at its slot (as
+// launch_reshape_and_cache; negative or out-of-range slots write nothing to the caches): one
+// launch for the rotary and the cache write of a layer.
+cudaError_t launch_rotary_and_cache(const RotaryCacheArgs& args, cudaStream_t stream);
+
 struct SiluAndMulArgs {
   ScalarType dtype;               // of both tensors
   void* out;                      // [num_tokens, intermediate_size], contiguous

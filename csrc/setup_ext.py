@@ -20,9 +20,9 @@ from typing import Any
 
 CSRC_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "pagedllm._C"
-# The binding (torch glue) plus the torch-free kernel files.
+# The bindings (torch glue) plus the torch-free kernel files.
 SOURCE_FILES = (
-    "torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu",
+    "torch_bindings.cpp", "layer_bindings.cpp", "paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu",
 )
 DEFAULT_CUDA_ARCH = "9.0"
 TARGETS = ("cuda", "rocm", "cpu")

@@ -1,4 +1,4 @@
-// The only file of csrc/ that knows torch: tensor checks, raw pointers and strides, the current
+// With layer_bindings.cpp, the only files of csrc/ that know torch: tensor checks, raw pointers and strides, the current
 // stream, and the pybind11 module `pagedllm._C`. Kernels and launchers are in the torch-free *.cu.
 //
 // What is checked here (TORCH_CHECK raises RuntimeError / ValueError-like messages):
@@ -9,8 +9,9 @@
 //   * shapes: ranks and every dimension that must agree; num_heads % num_kv_heads == 0;
 //     head size in {64, 80, 96, 112, 128, 256}; block size a power of two (16 and 32 are tested);
 //   * layout: last dim contiguous, 16-byte aligned pointers and strides for paged_attention;
-//   * layer ops (rms_norm, rotary, silu_and_mul): every operand on x's device with x's dtype, the
-//     shapes of ops.h, an even head size / gate-up width, eps finite and >= 0;
+//   * layer ops (rms_norm, rotary, rotary_and_cache, silu_and_mul): every operand on x's (qkv's)
+//     device with its dtype, the shapes of ops.h, an even head size / gate-up width, eps finite
+//     and >= 0;
 //   * block ids of swap_blocks (mapping on CPU) and of copy_blocks when its mapping is on CPU.
 // What is NOT checked on the host (it would need a device sync); the kernels enforce it instead:
 //   * slot_mapping values: negative = padding, >= num_blocks * block_size is skipped (never written);
@@ -19,7 +20,6 @@
 //   * copy_blocks mapping on device: pairs with an id outside [0, num_blocks) are skipped.
 #include <torch/extension.h>
 
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
@@ -27,58 +27,11 @@
 #include <tuple>
 #include <vector>
 
-#include "ops.h"
+#include "binding_checks.h"
 
 namespace {
 
-using pagedllm::ScalarType;
-
-ScalarType to_scalar_type(const torch::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::ScalarType::Float: return ScalarType::kFloat32;
-    case at::ScalarType::Half: return ScalarType::kFloat16;
-    case at::ScalarType::BFloat16: return ScalarType::kBFloat16;
-    default:
-      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
-}
-
-void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the operands are on ", device);
-}
-
-void check_shape(const torch::Tensor& t, const char* name, at::IntArrayRef expected) {
-  TORCH_CHECK(t.sizes() == expected, name, " must have shape ", expected, ", got ", t.sizes());
-}
-
-void check_last_dim_contiguous(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension, got strides ",
-              t.strides());
-}
-
-void check_dtype(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-}
-
-// 16-byte vector loads need 16-byte aligned base pointers and strides.
-void check_aligned16(const torch::Tensor& t, const char* name) {
-  const int64_t es = t.element_size();
-  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.stride(d) * es) % 16 == 0;
-  TORCH_CHECK(ok, name, " must be 16-byte aligned (data pointer and strides), got strides ",
-              t.strides(), "; make it contiguous");
-}
-
-cudaStream_t current_stream(const torch::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, " failed to launch: ", cudaGetErrorString(err));
-}
-
-// ---------------------------------------------------------------------------------------------
+using namespace pagedllm::binding;  // NOLINT(build/namespaces): the check helpers
 
 torch::Tensor empty_float(const torch::Tensor& like, at::IntArrayRef sizes) {
   return torch::empty(sizes, like.options().dtype(torch::kFloat32));
@@ -387,116 +340,6 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
                "swap_blocks");
 }
 
-// ---- layer ops: outputs allocated here, contiguous --------------------------------------------
-
-// x's device and dtype for a layer-op operand, last dim contiguous.
-void check_layer_operand(const torch::Tensor& t, const char* name, const torch::Tensor& x) {
-  check_cuda(t, name, x.device());
-  check_dtype(t, name, x.scalar_type());
-  check_last_dim_contiguous(t, name);
-}
-
-void check_rows(int64_t num_tokens, int64_t row_elems, const char* op) {
-  TORCH_CHECK(num_tokens <= INT32_MAX && row_elems <= INT32_MAX, op, ": at most 2^31 - 1 tokens and ",
-              "elements per row, got ", num_tokens, " x ", row_elems);
-}
-
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
-                                                  double eps,
-                                                  const c10::optional<torch::Tensor>& residual) {
-  check_cuda(x, "x", x.device());
-  const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [num_tokens, hidden_size], got ", x.sizes());
-  check_last_dim_contiguous(x, "x");
-  const int64_t num_tokens = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(hidden > 0, "x must have hidden_size > 0, got ", x.sizes());
-  check_rows(num_tokens, hidden, "rms_norm");
-  check_layer_operand(weight, "weight", x);
-  check_shape(weight, "weight", {hidden});
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
-  torch::Tensor out = torch::empty({num_tokens, hidden}, x.options());
-  torch::Tensor new_residual = x;
-
-  pagedllm::RmsNormArgs a{};
-  if (residual.has_value()) {
-    check_layer_operand(*residual, "residual", x);
-    check_shape(*residual, "residual", x.sizes());
-    new_residual = torch::empty({num_tokens, hidden}, x.options());
-    a.residual = residual->data_ptr();
-    a.residual_stride = residual->stride(0);
-    a.residual_out = new_residual.data_ptr();
-  }
-  a.dtype = dtype;
-  a.out = out.data_ptr();
-  a.x = x.data_ptr();
-  a.x_stride = x.stride(0);
-  a.weight = weight.data_ptr();
-  a.num_tokens = static_cast<int>(num_tokens);
-  a.hidden_size = static_cast<int>(hidden);
-  a.eps = static_cast<float>(eps);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(pagedllm::launch_rms_norm(a, current_stream(x)), "rms_norm");
-  return {out, new_residual};
-}
-
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  check_cuda(x, "x", x.device());
-  const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got ", x.sizes());
-  check_last_dim_contiguous(x, "x");
-  const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_size = x.size(2);
-  TORCH_CHECK(head_size > 0 && head_size % 2 == 0, "x must have an even head_size > 0, got ",
-              head_size);
-  check_rows(num_tokens, num_heads * head_size, "rotary");
-  check_layer_operand(cos, "cos", x);
-  check_shape(cos, "cos", {num_tokens, head_size});
-  check_layer_operand(sin, "sin", x);
-  check_shape(sin, "sin", {num_tokens, head_size});
-  torch::Tensor out = torch::empty({num_tokens, num_heads, head_size}, x.options());
-
-  pagedllm::RotaryArgs a{};
-  a.dtype = dtype;
-  a.out = out.data_ptr();
-  a.x = x.data_ptr();
-  a.x_token_stride = x.stride(0);
-  a.x_head_stride = x.stride(1);
-  a.cos = cos.data_ptr();
-  a.cos_stride = cos.stride(0);
-  a.sin = sin.data_ptr();
-  a.sin_stride = sin.stride(0);
-  a.num_tokens = static_cast<int>(num_tokens);
-  a.num_heads = static_cast<int>(num_heads);
-  a.head_size = static_cast<int>(head_size);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(pagedllm::launch_rotary(a, current_stream(x)), "rotary");
-  return out;
-}
-
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  check_cuda(x, "x", x.device());
-  const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
-              "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got ", x.sizes());
-  check_last_dim_contiguous(x, "x");
-  const int64_t num_tokens = x.size(0), intermediate = x.size(1) / 2;
-  check_rows(num_tokens, x.size(1), "silu_and_mul");
-  torch::Tensor out = torch::empty({num_tokens, intermediate}, x.options());
-
-  pagedllm::SiluAndMulArgs a{};
-  a.dtype = dtype;
-  a.out = out.data_ptr();
-  a.x = x.data_ptr();
-  a.x_stride = x.stride(0);
-  a.num_tokens = static_cast<int>(num_tokens);
-  a.intermediate_size = static_cast<int>(intermediate);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(pagedllm::launch_silu_and_mul(a, current_stream(x)), "silu_and_mul");
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -521,14 +364,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_caches"), py::arg("value_caches"), py::arg("block_mapping"));
   m.def("swap_blocks", &swap_blocks, "Copy blocks between a GPU cache and a (pinned) CPU cache.",
         py::arg("src"), py::arg("dst"), py::arg("block_mapping"));
-  m.def("rms_norm", &rms_norm,
-        "(weight * rmsnorm(h), h) for x [num_tokens, hidden_size], h = x + residual (or x).",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("rotary", &rotary,
-        "Neox rotary embedding of x [num_tokens, num_heads, head_size] with cos/sin "
-        "[num_tokens, head_size]; returns a contiguous tensor.",
-        py::arg("x"), py::arg("cos"), py::arg("sin"));
-  m.def("silu_and_mul", &silu_and_mul,
-        "silu(x[:, :I]) * x[:, I:] for x [num_tokens, 2 * I]; returns [num_tokens, I].",
-        py::arg("x"));
+  pagedllm::binding::register_layer_ops(m);
 }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,8 +56,9 @@ class AttentionImpl(ABC):
     """Paged attention for one layer shape on one backend.
 
     The template ``forward`` writes this step's K/V into the cache, then runs ``prefill`` on the
-    prefill rows and ``decode`` on the decode rows. A plugin implements ``kv_cache_shape``,
-    ``write_kv``, ``prefill`` and ``decode``; it may override ``forward`` to fuse them.
+    prefill rows and ``decode`` on the decode rows (``attend``). A plugin implements
+    ``kv_cache_shape``, ``write_kv``, ``prefill`` and ``decode``; it may override ``forward`` to
+    fuse them, or ``forward_rotary`` to fuse the model's rotary embedding with the cache write.
     """
 
     name = "base"
@@ -98,10 +100,34 @@ class AttentionImpl(ABC):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """``query`` [T, num_heads*head_size], ``key``/``value`` [T, num_kv_heads*head_size]."""
         t = query.shape[0]
-        q = query.view(t, self.num_heads, self.head_size)
         k = key.view(t, self.num_kv_heads, self.head_size)
         v = value.view(t, self.num_kv_heads, self.head_size)
         self.write_kv(k, v, kv_cache, metadata)
+        return self.attend(query, key, value, kv_cache, metadata)
+
+    def forward_rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                       kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """``forward`` on a qkv projection [T, (num_heads + 2 * num_kv_heads) * head_size] (q heads,
+        k heads, v heads) whose q and k still need the rotary op ``rotary`` (x [T, heads,
+        head_size], cos/sin [T, head_size] -> rotated x). A plugin may override this to fuse the
+        rotary with the cache write (``attend`` does the rest)."""
+        t = qkv.shape[0]
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+        qk = rotary(qk.reshape(t, -1, self.head_size), cos, sin).reshape(t, -1)
+        q, k = qk.split([q_size, kv_size], dim=-1)
+        return self.forward(q, k, v, kv_cache, metadata)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The attention of ``forward`` once this step's K/V are in the cache: ``prefill`` on the
+        prefill rows, ``decode`` on the decode rows, zeros for padded rows. Same shapes."""
+        t = query.shape[0]
+        q = query.view(t, self.num_heads, self.head_size)
+        k = key.view(t, self.num_kv_heads, self.head_size)
+        v = value.view(t, self.num_kv_heads, self.head_size)
         p = metadata.num_prefill_tokens
         if metadata.num_decode_tokens == 0:
             out = self.prefill(q[:p], kv_cache, metadata, k[:p], v[:p])

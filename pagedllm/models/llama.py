@@ -40,9 +40,6 @@ class LlamaAttention(nn.Module):
                                           num_kv, qkv_bias, ctx)
         self.o_proj = RowParallelLinear(self.qkv_proj.num_heads * head_size * ctx.tp.size,
                                         config.hidden_size, o_bias, ctx)
-        self.q_size = self.qkv_proj.num_heads * head_size
-        self.kv_size = self.qkv_proj.num_kv_heads * head_size
-        self.head_size = head_size
         self.ctx = ctx
         self.rotary = rotary
         self.attn = Attention(self.qkv_proj.num_heads, head_size, self.qkv_proj.num_kv_heads,
@@ -51,12 +48,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        t = hidden.shape[0]
-        qk = self.ctx.ops.rotary(qk.reshape(t, -1, self.head_size), *cos_sin).reshape(t, -1)
-        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        out = self.attn(q, k, v, kv_cache, metadata)
+        qkv = self.qkv_proj(hidden)  # [T, (num_heads + 2 * num_kv_heads) * head_size]
+        out = self.attn.forward_rotary(qkv, cos_sin, self.ctx.ops.rotary, kv_cache, metadata)
         return self.o_proj(out)
 
 

@@ -93,6 +93,24 @@ def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
     assert graphs == eager
 
 
+@pytest.mark.parametrize("mode", ["plain", "prefix_caching", "chunked_prefill"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_rotary_cache_write_matches_separate_ops(checkpoint_factory, monkeypatch,
+                                                       dtype: str, mode: str) -> None:
+    """In half precision the cuda attention rotates q/k and writes the cache in one kernel
+    (forward_rotary); the template's separate rotary op and write_kv must give the same tokens."""
+    from pagedllm.backends.attention import AttentionImpl
+    from pagedllm.backends.cuda.attention import CudaPagedAttention
+
+    path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=3)
+    ps = prompts() + [prompts()[4][:48] + [7, 8, 9]]  # shares 3 blocks with prompt 4 (prefix hits)
+    kw = {"dtype": dtype, "max_num_seqs": 16, **MODES[mode]}
+    _, fused = run(path, 32, ps, **kw)
+    monkeypatch.setattr(CudaPagedAttention, "forward_rotary", AttentionImpl.forward_rotary)
+    _, separate = run(path, 32, ps, **kw)
+    assert fused == separate
+
+
 def test_long_contexts_and_steps_ahead_match_eager(checkpoint_factory) -> None:
     """Contexts crossing the decode kernel's 256/512-token partitions (every captured context bucket),
     and steps scheduled ahead of the device (the default here) vs each step waiting."""

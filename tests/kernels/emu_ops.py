@@ -211,6 +211,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
+def rotary_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, num_heads: int) -> None:
+    lib = _load()
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    rc = lib.emu_rotary_and_cache(
+        ctypes.c_int(_DTYPES[qkv.dtype]), _ptr(qkv), *_i64(qkv.stride(0)),
+        _ptr(cos), *_i64(cos.stride(0)), _ptr(sin), *_i64(sin.stride(0)),
+        _ptr(key_cache), *_i64(*key_cache.stride()[:3]),
+        _ptr(value_cache), *_i64(*value_cache.stride()[:3]),
+        _ptr(slot_mapping), *[ctypes.c_int(v) for v in (qkv.shape[0], num_heads, num_kv_heads,
+                                                         head_size, block_size)],
+        *_i64(num_blocks),
+    )
+    _check(lib, rc, "rotary_and_cache")
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _load()
     num_tokens, width = x.shape

@@ -2,10 +2,13 @@
 prefill over cached context (prefix caching, chunked prefill)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 from pagedllm.backends.cuda import ops
+from pagedllm.backends.cuda.layer_ops import KERNEL_DTYPES
 
 
 class CudaPagedAttention(AttentionImpl):
@@ -19,6 +22,20 @@ class CudaPagedAttention(AttentionImpl):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
         ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+
+    def forward_rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                       kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        # float16/bfloat16: one kernel rotates q and k in place in qkv (the rotary layer kernel's
+        # bits) and writes k and v into the cache; float32 keeps the reference ops (HF equality)
+        if qkv.dtype not in KERNEL_DTYPES:
+            return super().forward_rotary(qkv, cos, sin, rotary, kv_cache, metadata)
+        ops.load_kernels().rotary_and_cache(qkv, cos, sin, kv_cache[0], kv_cache[1],
+                                            metadata.slot_mapping, self.num_heads)
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return self.attend(q, k, v, kv_cache, metadata)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:

@@ -296,6 +296,43 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return load_kernels().rotary(x, cos, sin)
 
 
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """``rotary`` of the q and k heads of qkv [num_tokens, (num_heads + 2 * num_kv_heads) *
+    head_size] (a projection's output: q heads, k heads, v heads) in place, and the rotated k and
+    the v of each token written into the caches at slot_mapping (as ``reshape_and_cache``; negative
+    slots are padding). num_kv_heads and head_size are the caches'."""
+    from pagedllm.backends.cuda.checks import KernelArgumentError, check_reshape_and_cache
+
+    _check_input(qkv, "[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]", 2)
+    if key_cache.dim() != 4:
+        raise KernelArgumentError(f"key_cache must be [num_blocks, block_size, num_kv_heads, "
+                                  f"head_size], got shape {list(key_cache.shape)}")
+    t = qkv.shape[0]
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    if num_heads <= 0 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_size:
+        raise KernelArgumentError(
+            f"qkv must have (num_heads + 2 * num_kv_heads) * head_size = "
+            f"{(max(num_heads, 0) + 2 * num_kv_heads) * head_size} columns for num_heads="
+            f"{num_heads} and the cache's {num_kv_heads} x {head_size}, got {list(qkv.shape)}")
+    if head_size % 2:
+        raise KernelArgumentError(f"the cache's head_size must be even, got {head_size}")
+    _check_operand(cos, "cos", qkv, (t, head_size))
+    _check_operand(sin, "sin", qkv, (t, head_size))
+    kv = qkv.view(t, -1, head_size)[:, num_heads:]
+    check_reshape_and_cache(kv[:, :num_kv_heads], kv[:, num_kv_heads:], key_cache, value_cache,
+                            slot_mapping)
+    load_kernels().rotary_and_cache(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                    int(num_heads))
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, 2 * I] (gate, then up) -> silu(gate) * up [num_tokens, I]."""
     from pagedllm.backends.cuda.checks import KernelArgumentError

@@ -1,6 +1,8 @@
 """The attention layer a model uses: holds its backend's AttentionImpl and nothing else."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,3 +19,9 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         return self.impl.forward(q, k, v, kv_cache, metadata)
+
+    def forward_rotary(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                       rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                       kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention of a qkv projection whose q and k get ``rotary`` first (AttentionImpl)."""
+        return self.impl.forward_rotary(qkv, *cos_sin, rotary, kv_cache, metadata)

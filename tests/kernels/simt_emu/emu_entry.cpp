@@ -158,6 +158,38 @@ int emu_rotary(int dtype, void* out, const void* x, int64_t x_s0, int64_t x_s1, 
   return static_cast<int>(pagedllm::launch_rotary(a, nullptr));
 }
 
+int emu_rotary_and_cache(int dtype, void* qkv, int64_t qkv_s0, const void* cos, int64_t cos_s0,
+                         const void* sin, int64_t sin_s0, void* key_cache, int64_t kc_s0,
+                         int64_t kc_s1, int64_t kc_s2, void* value_cache, int64_t vc_s0,
+                         int64_t vc_s1, int64_t vc_s2, const int64_t* slot_mapping, int num_tokens,
+                         int num_heads, int num_kv_heads, int head_size, int block_size,
+                         int64_t num_blocks) {
+  pagedllm::RotaryCacheArgs a{};
+  a.dtype = static_cast<ScalarType>(dtype);
+  a.qkv = qkv;
+  a.qkv_stride = qkv_s0;
+  a.cos = cos;
+  a.cos_stride = cos_s0;
+  a.sin = sin;
+  a.sin_stride = sin_s0;
+  a.key_cache = key_cache;
+  a.kc_block_stride = kc_s0;
+  a.kc_token_stride = kc_s1;
+  a.kc_head_stride = kc_s2;
+  a.value_cache = value_cache;
+  a.vc_block_stride = vc_s0;
+  a.vc_token_stride = vc_s1;
+  a.vc_head_stride = vc_s2;
+  a.slot_mapping = slot_mapping;
+  a.num_tokens = num_tokens;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_size = head_size;
+  a.block_size = block_size;
+  a.num_blocks = num_blocks;
+  return static_cast<int>(pagedllm::launch_rotary_and_cache(a, nullptr));
+}
+
 int emu_silu_and_mul(int dtype, void* out, const void* x, int64_t x_s0, int num_tokens,
                      int intermediate_size) {
   pagedllm::SiluAndMulArgs a{};
