@@ -10,6 +10,7 @@
 
 namespace pagedllm::binding {
 
+using pagedllm::CacheSlots;
 using pagedllm::ScalarType;
 
 inline ScalarType to_scalar_type(const torch::Tensor& t, const char* name) {
@@ -55,6 +56,45 @@ inline cudaStream_t current_stream(const torch::Tensor& t) {
 
 inline void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, " failed to launch: ", cudaGetErrorString(err));
+}
+
+// Checks the two caches of one layer against each other and the [num_tokens] int64 slot
+// mapping: on `device`, of dtype `dtype` (caches), [num_blocks, block_size, num_kv_heads,
+// head_size] with the given kv heads and head size, last dim contiguous. Returns where the
+// launchers write.
+inline CacheSlots checked_cache_slots(torch::Tensor& key_cache, torch::Tensor& value_cache,
+                                      const torch::Tensor& slot_mapping, const torch::Device& device,
+                                      at::ScalarType dtype, int64_t num_tokens,
+                                      int64_t num_kv_heads, int64_t head_size) {
+  check_cuda(key_cache, "key_cache", device);
+  check_cuda(value_cache, "value_cache", device);
+  check_cuda(slot_mapping, "slot_mapping", device);
+  check_dtype(key_cache, "key_cache", dtype);
+  check_dtype(value_cache, "value_cache", dtype);
+  check_dtype(slot_mapping, "slot_mapping", torch::kInt64);
+  TORCH_CHECK(key_cache.dim() == 4,
+              "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              key_cache.sizes());
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  check_shape(key_cache, "key_cache", {num_blocks, block_size, num_kv_heads, head_size});
+  check_shape(value_cache, "value_cache", key_cache.sizes());
+  check_shape(slot_mapping, "slot_mapping", {num_tokens});
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  check_last_dim_contiguous(key_cache, "key_cache");
+  check_last_dim_contiguous(value_cache, "value_cache");
+  CacheSlots c{};
+  c.key_cache = key_cache.data_ptr();
+  c.kc_block_stride = key_cache.stride(0);
+  c.kc_token_stride = key_cache.stride(1);
+  c.kc_head_stride = key_cache.stride(2);
+  c.value_cache = value_cache.data_ptr();
+  c.vc_block_stride = value_cache.stride(0);
+  c.vc_token_stride = value_cache.stride(1);
+  c.vc_head_stride = value_cache.stride(2);
+  c.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  c.block_size = static_cast<int>(block_size);
+  c.num_blocks = num_blocks;
+  return c;
 }
 
 // Registers the layer ops (layer_bindings.cpp) on the module.

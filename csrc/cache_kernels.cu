@@ -88,26 +88,27 @@ void launch_reshape(const ReshapeAndCacheArgs& a, RowAddr k, RowAddr v, RowAddr 
   const int units_per_row = row_bytes / static_cast<int>(sizeof(CopyT));
   launch_kernel(reshape_and_cache_kernel<CopyT>, dim3(a.num_tokens), dim3(kCopyThreads), stream,
                 static_cast<const char*>(a.key), static_cast<const char*>(a.value),
-                static_cast<char*>(a.key_cache), static_cast<char*>(a.value_cache), a.slot_mapping,
-                k, v, kc, vc, a.num_kv_heads, units_per_row, a.block_size,
-                a.num_blocks * a.block_size);
+                static_cast<char*>(a.cache.key_cache), static_cast<char*>(a.cache.value_cache),
+                a.cache.slot_mapping, k, v, kc, vc, a.num_kv_heads, units_per_row,
+                a.cache.block_size, a.cache.num_blocks * a.cache.block_size);
 }
 
 }  // namespace
 
 cudaError_t launch_reshape_and_cache(const ReshapeAndCacheArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
-  if (a.num_tokens < 0 || a.block_size <= 0 || a.num_kv_heads <= 0 || a.head_size <= 0) {
+  if (a.num_tokens < 0 || a.cache.block_size <= 0 || a.num_kv_heads <= 0 || a.head_size <= 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t es = scalar_type_size(a.dtype);
   const RowAddr k = row_addr(a.key_token_stride, 0, a.key_head_stride, es);
   const RowAddr v = row_addr(a.value_token_stride, 0, a.value_head_stride, es);
-  const RowAddr kc = row_addr(a.kc_block_stride, a.kc_token_stride, a.kc_head_stride, es);
-  const RowAddr vc = row_addr(a.vc_block_stride, a.vc_token_stride, a.vc_head_stride, es);
+  const CacheSlots& c = a.cache;
+  const RowAddr kc = row_addr(c.kc_block_stride, c.kc_token_stride, c.kc_head_stride, es);
+  const RowAddr vc = row_addr(c.vc_block_stride, c.vc_token_stride, c.vc_head_stride, es);
   const int row_bytes = a.head_size * static_cast<int>(es);
   const bool vec16 = row_bytes % 16 == 0 && aligned16(a.key) && aligned16(a.value) &&
-                     aligned16(a.key_cache) && aligned16(a.value_cache) && rows_aligned16(k) &&
+                     aligned16(c.key_cache) && aligned16(c.value_cache) && rows_aligned16(k) &&
                      rows_aligned16(v) && rows_aligned16(kc) && rows_aligned16(vc);
   if (vec16) {
     launch_reshape<uint4>(a, k, v, kc, vc, row_bytes, stream);

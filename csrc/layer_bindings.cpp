@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <tuple>
-#include <utility>
 
 #include "binding_checks.h"
 
@@ -109,32 +108,23 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
   TORCH_CHECK(key_cache.dim() == 4,
               "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
               key_cache.sizes());
-  const int64_t num_tokens = qkv.size(0), num_blocks = key_cache.size(0);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t head_size = key_cache.size(3);
+  const int64_t num_tokens = qkv.size(0), num_kv_heads = key_cache.size(2);
+  const int64_t head_size = key_cache.size(3), columns = (num_heads + 2 * num_kv_heads) * head_size;
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_size > 0 && head_size % 2 == 0,
               "rotary_and_cache: num_heads (", num_heads, ") and the cache's num_kv_heads (",
               num_kv_heads, ") must be > 0 and its head_size (", head_size, ") even");
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_size, "qkv must have ",
-              "(num_heads + 2 * num_kv_heads) * head_size = ", (num_heads + 2 * num_kv_heads) * head_size,
-              " columns for num_heads ", num_heads, " and the cache's ", num_kv_heads, " x ",
-              head_size, ", got ", qkv.sizes());
-  check_rows(num_tokens, qkv.size(1), "rotary_and_cache");
-  for (const auto& [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
-    check_layer_operand(*t, name, qkv);
-    check_shape(*t, name, {num_tokens, head_size});
-  }
-  for (const auto& [t, name] : {std::pair{&key_cache, "key_cache"},
-                                std::pair{&value_cache, "value_cache"}}) {
-    check_layer_operand(*t, name, qkv);
-    check_shape(*t, name, {num_blocks, block_size, num_kv_heads, head_size});
-  }
-  check_cuda(slot_mapping, "slot_mapping", qkv.device());
-  check_dtype(slot_mapping, "slot_mapping", torch::kInt64);
-  check_shape(slot_mapping, "slot_mapping", {num_tokens});
-  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  TORCH_CHECK(qkv.size(1) == columns, "qkv must have (num_heads + 2 * num_kv_heads) * head_size = ",
+              columns, " columns for num_heads ", num_heads, " and the cache's ", num_kv_heads,
+              " x ", head_size, ", got ", qkv.sizes());
+  check_rows(num_tokens, columns, "rotary_and_cache");
+  check_layer_operand(cos, "cos", qkv);
+  check_shape(cos, "cos", {num_tokens, head_size});
+  check_layer_operand(sin, "sin", qkv);
+  check_shape(sin, "sin", {num_tokens, head_size});
 
   pagedllm::RotaryCacheArgs a{};
+  a.cache = checked_cache_slots(key_cache, value_cache, slot_mapping, qkv.device(),
+                                qkv.scalar_type(), num_tokens, num_kv_heads, head_size);
   a.dtype = dtype;
   a.qkv = qkv.data_ptr();
   a.qkv_stride = qkv.stride(0);
@@ -142,21 +132,10 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
   a.cos_stride = cos.stride(0);
   a.sin = sin.data_ptr();
   a.sin_stride = sin.stride(0);
-  a.key_cache = key_cache.data_ptr();
-  a.kc_block_stride = key_cache.stride(0);
-  a.kc_token_stride = key_cache.stride(1);
-  a.kc_head_stride = key_cache.stride(2);
-  a.value_cache = value_cache.data_ptr();
-  a.vc_block_stride = value_cache.stride(0);
-  a.vc_token_stride = value_cache.stride(1);
-  a.vc_head_stride = value_cache.stride(2);
-  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
   a.num_tokens = static_cast<int>(num_tokens);
   a.num_heads = static_cast<int>(num_heads);
   a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.head_size = static_cast<int>(head_size);
-  a.block_size = static_cast<int>(block_size);
-  a.num_blocks = num_blocks;
 
   const c10::cuda::CUDAGuard guard(qkv.device());
   check_launch(pagedllm::launch_rotary_and_cache(a, current_stream(qkv)), "rotary_and_cache");

@@ -191,14 +191,15 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheAr
   const int rotary_units = rotated_heads * units_per_head;
   const int v_units_per_head = a.head_size / N;
   const int units = rotary_units + a.num_kv_heads * v_units_per_head;
-  const int64_t slot = a.slot_mapping[token];
-  const bool cached = slot >= 0 && slot < a.num_blocks * a.block_size;  // else padding: no write
-  const int64_t block = cached ? slot / a.block_size : 0;
-  const int64_t offset = cached ? slot % a.block_size : 0;
+  const CacheSlots& c = a.cache;
+  const int64_t slot = c.slot_mapping[token];
+  const bool cached = slot >= 0 && slot < c.num_blocks * c.block_size;  // else padding: no write
+  const int64_t block = cached ? slot / c.block_size : 0;
+  const int64_t offset = cached ? slot % c.block_size : 0;
   T* row = static_cast<T*>(a.qkv) + token * a.qkv_stride;
-  T* k_slot = static_cast<T*>(a.key_cache) + block * a.kc_block_stride + offset * a.kc_token_stride;
-  T* v_slot = static_cast<T*>(a.value_cache) + block * a.vc_block_stride +
-              offset * a.vc_token_stride;
+  T* k_slot = static_cast<T*>(c.key_cache) + block * c.kc_block_stride + offset * c.kc_token_stride;
+  T* v_slot = static_cast<T*>(c.value_cache) + block * c.vc_block_stride +
+              offset * c.vc_token_stride;
   const T* cos = static_cast<const T*>(a.cos) + token * a.cos_stride;
   const T* sin = static_cast<const T*>(a.sin) + token * a.sin_stride;
   for (int idx = static_cast<int>(threadIdx.x); idx < units; idx += kThreads) {
@@ -206,7 +207,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheAr
       const int head = idx / units_per_head;
       T* x = row + head * a.head_size;
       const int kv_head = head - a.num_heads;  // >= 0 for a k head
-      T* copy = cached && kv_head >= 0 ? k_slot + kv_head * a.kc_head_stride : nullptr;
+      T* copy = cached && kv_head >= 0 ? k_slot + kv_head * c.kc_head_stride : nullptr;
       rotate_pairs<T, N>(x, x, copy, cos, sin, (idx % units_per_head) * N, half);
     } else if (cached) {
       const int v = idx - rotary_units;
@@ -214,7 +215,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheAr
       const int i = (v % v_units_per_head) * N;
       float elems[N];
       load<T, N>(row + (rotated_heads + head) * a.head_size + i, elems);
-      store<T, N>(v_slot + head * a.vc_head_stride + i, elems);
+      store<T, N>(v_slot + head * c.vc_head_stride + i, elems);
     }
   }
 }
@@ -313,21 +314,22 @@ cudaError_t launch_rotary(const RotaryArgs& a, cudaStream_t stream) {
 cudaError_t launch_rotary_and_cache(const RotaryCacheArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
   if (a.num_tokens < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.head_size <= 0 ||
-      a.head_size % 2 != 0 || a.block_size <= 0 || a.num_blocks < 0) {
+      a.head_size % 2 != 0 || a.cache.block_size <= 0 || a.cache.num_blocks < 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t es = scalar_type_size(a.dtype);
   const int64_t half = a.head_size / 2;
+  const CacheSlots& c = a.cache;
   const auto strides16 = [es](int64_t x, int64_t y, int64_t z) {
     return (x * es) % 16 == 0 && (y * es) % 16 == 0 && (z * es) % 16 == 0;
   };
   // every half row starts on a 16-byte boundary: qkv rows and heads, cos/sin rows, cache rows
   const bool vec = rows_aligned16(a.qkv, a.qkv_stride, half, es) &&
                    rows_aligned16(a.cos, a.cos_stride, half, es) &&
-                   rows_aligned16(a.sin, a.sin_stride, half, es) && aligned16(a.key_cache) &&
-                   aligned16(a.value_cache) &&
-                   strides16(a.kc_block_stride, a.kc_token_stride, a.kc_head_stride) &&
-                   strides16(a.vc_block_stride, a.vc_token_stride, a.vc_head_stride);
+                   rows_aligned16(a.sin, a.sin_stride, half, es) && aligned16(c.key_cache) &&
+                   aligned16(c.value_cache) &&
+                   strides16(c.kc_block_stride, c.kc_token_stride, c.kc_head_stride) &&
+                   strides16(c.vc_block_stride, c.vc_token_stride, c.vc_head_stride);
   switch (a.dtype) {
     case ScalarType::kFloat32: rotary_and_cache_for<float>(a, vec, stream); break;
     case ScalarType::kFloat16: rotary_and_cache_for<pl_half>(a, vec, stream); break;

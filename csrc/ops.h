@@ -132,14 +132,8 @@ cudaError_t launch_paged_attention(const PagedAttentionArgs& args, cudaStream_t 
 // KV-cache maintenance.
 // ---------------------------------------------------------------------------------------------
 
-struct ReshapeAndCacheArgs {
-  ScalarType dtype;               // of key, value and both caches
-  const void* key;                // [num_tokens, num_kv_heads, head_size]
-  int64_t key_token_stride;
-  int64_t key_head_stride;
-  const void* value;              // [num_tokens, num_kv_heads, head_size]
-  int64_t value_token_stride;
-  int64_t value_head_stride;
+// Where a step's new K/V rows go: both caches of one layer and each token's slot.
+struct CacheSlots {
   void* key_cache;                // [num_blocks, block_size, num_kv_heads, head_size]
   int64_t kc_block_stride;
   int64_t kc_token_stride;
@@ -149,11 +143,22 @@ struct ReshapeAndCacheArgs {
   int64_t vc_token_stride;
   int64_t vc_head_stride;
   const int64_t* slot_mapping;    // [num_tokens]; slot = block * block_size + offset
+  int block_size;
+  int64_t num_blocks;
+};
+
+struct ReshapeAndCacheArgs {
+  ScalarType dtype;               // of key, value and both caches
+  const void* key;                // [num_tokens, num_kv_heads, head_size]
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  const void* value;              // [num_tokens, num_kv_heads, head_size]
+  int64_t value_token_stride;
+  int64_t value_head_stride;
+  CacheSlots cache;
   int num_tokens;
   int num_kv_heads;
   int head_size;
-  int block_size;
-  int64_t num_blocks;
 };
 
 // Negative slots are padding and skipped; slots >= num_blocks * block_size are skipped as well
@@ -232,21 +237,11 @@ struct RotaryCacheArgs {
   int64_t cos_stride;
   const void* sin;                // [num_tokens, head_size]
   int64_t sin_stride;
-  void* key_cache;                // [num_blocks, block_size, num_kv_heads, head_size]
-  int64_t kc_block_stride;
-  int64_t kc_token_stride;
-  int64_t kc_head_stride;
-  void* value_cache;              // [num_blocks, block_size, num_kv_heads, head_size]
-  int64_t vc_block_stride;
-  int64_t vc_token_stride;
-  int64_t vc_head_stride;
-  const int64_t* slot_mapping;    // [num_tokens]; slot = block * block_size + offset
+  CacheSlots cache;
   int num_tokens;
   int num_heads;
   int num_kv_heads;
   int head_size;                  // even
-  int block_size;
-  int64_t num_blocks;
 };
 
 // The rotary embedding of launch_rotary applied in place to the q and k heads of a qkv projection,

@@ -167,33 +167,18 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   const torch::Device device = key.device();
   check_cuda(key, "key", device);
   check_cuda(value, "value", device);
-  check_cuda(key_cache, "key_cache", device);
-  check_cuda(value_cache, "value_cache", device);
-  check_cuda(slot_mapping, "slot_mapping", device);
   const ScalarType dtype = to_scalar_type(key, "key");
   check_dtype(value, "value", key.scalar_type());
-  check_dtype(key_cache, "key_cache", key.scalar_type());
-  check_dtype(value_cache, "value_cache", key.scalar_type());
-  check_dtype(slot_mapping, "slot_mapping", torch::kInt64);
-
   TORCH_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ", key.sizes());
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   check_shape(value, "value", key.sizes());
-  TORCH_CHECK(key_cache.dim() == 4,
-              "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  check_shape(key_cache, "key_cache", {num_blocks, block_size, num_kv_heads, head_size});
-  check_shape(value_cache, "value_cache", key_cache.sizes());
-  check_shape(slot_mapping, "slot_mapping", {num_tokens});
-  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
   TORCH_CHECK(num_tokens <= INT32_MAX, "too many tokens: ", num_tokens);
   check_last_dim_contiguous(key, "key");
   check_last_dim_contiguous(value, "value");
-  check_last_dim_contiguous(key_cache, "key_cache");
-  check_last_dim_contiguous(value_cache, "value_cache");
 
   pagedllm::ReshapeAndCacheArgs a{};
+  a.cache = checked_cache_slots(key_cache, value_cache, slot_mapping, device, key.scalar_type(),
+                                num_tokens, num_kv_heads, head_size);
   a.dtype = dtype;
   a.key = key.data_ptr();
   a.key_token_stride = key.stride(0);
@@ -201,20 +186,9 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   a.value = value.data_ptr();
   a.value_token_stride = value.stride(0);
   a.value_head_stride = value.stride(1);
-  a.key_cache = key_cache.data_ptr();
-  a.kc_block_stride = key_cache.stride(0);
-  a.kc_token_stride = key_cache.stride(1);
-  a.kc_head_stride = key_cache.stride(2);
-  a.value_cache = value_cache.data_ptr();
-  a.vc_block_stride = value_cache.stride(0);
-  a.vc_token_stride = value_cache.stride(1);
-  a.vc_head_stride = value_cache.stride(2);
-  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
   a.num_tokens = static_cast<int>(num_tokens);
   a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.head_size = static_cast<int>(head_size);
-  a.block_size = static_cast<int>(block_size);
-  a.num_blocks = num_blocks;
 
   const c10::cuda::CUDAGuard guard(device);
   check_launch(pagedllm::launch_reshape_and_cache(a, current_stream(key)), "reshape_and_cache");

@@ -6,6 +6,17 @@
 
 using pagedllm::ScalarType;
 
+namespace {
+
+pagedllm::CacheSlots cache_slots(void* key_cache, int64_t kc_s0, int64_t kc_s1, int64_t kc_s2,
+                                 void* value_cache, int64_t vc_s0, int64_t vc_s1, int64_t vc_s2,
+                                 const int64_t* slot_mapping, int block_size, int64_t num_blocks) {
+  return pagedllm::CacheSlots{key_cache,   kc_s0, kc_s1,        kc_s2,      value_cache, vc_s0,
+                              vc_s1,       vc_s2, slot_mapping, block_size, num_blocks};
+}
+
+}  // namespace
+
 extern "C" {
 
 void emu_reset(uint64_t seed) {
@@ -80,20 +91,11 @@ int emu_reshape_and_cache(int dtype, const void* key, int64_t k_s0, int64_t k_s1
   a.value = value;
   a.value_token_stride = v_s0;
   a.value_head_stride = v_s1;
-  a.key_cache = key_cache;
-  a.kc_block_stride = kc_s0;
-  a.kc_token_stride = kc_s1;
-  a.kc_head_stride = kc_s2;
-  a.value_cache = value_cache;
-  a.vc_block_stride = vc_s0;
-  a.vc_token_stride = vc_s1;
-  a.vc_head_stride = vc_s2;
-  a.slot_mapping = slot_mapping;
+  a.cache = cache_slots(key_cache, kc_s0, kc_s1, kc_s2, value_cache, vc_s0, vc_s1, vc_s2,
+                        slot_mapping, block_size, num_blocks);
   a.num_tokens = num_tokens;
   a.num_kv_heads = num_kv_heads;
   a.head_size = head_size;
-  a.block_size = block_size;
-  a.num_blocks = num_blocks;
   return static_cast<int>(pagedllm::launch_reshape_and_cache(a, nullptr));
 }
 
@@ -172,21 +174,12 @@ int emu_rotary_and_cache(int dtype, void* qkv, int64_t qkv_s0, const void* cos, 
   a.cos_stride = cos_s0;
   a.sin = sin;
   a.sin_stride = sin_s0;
-  a.key_cache = key_cache;
-  a.kc_block_stride = kc_s0;
-  a.kc_token_stride = kc_s1;
-  a.kc_head_stride = kc_s2;
-  a.value_cache = value_cache;
-  a.vc_block_stride = vc_s0;
-  a.vc_token_stride = vc_s1;
-  a.vc_head_stride = vc_s2;
-  a.slot_mapping = slot_mapping;
+  a.cache = cache_slots(key_cache, kc_s0, kc_s1, kc_s2, value_cache, vc_s0, vc_s1, vc_s2,
+                        slot_mapping, block_size, num_blocks);
   a.num_tokens = num_tokens;
   a.num_heads = num_heads;
   a.num_kv_heads = num_kv_heads;
   a.head_size = head_size;
-  a.block_size = block_size;
-  a.num_blocks = num_blocks;
   return static_cast<int>(pagedllm::launch_rotary_and_cache(a, nullptr));
 }
 
