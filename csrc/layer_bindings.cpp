@@ -20,8 +20,8 @@ void check_layer_operand(const torch::Tensor& t, const char* name, const torch::
 }
 
 void check_rows(int64_t num_tokens, int64_t row_elems, const char* op) {
-  TORCH_CHECK(num_tokens <= INT32_MAX && row_elems <= INT32_MAX, op, ": at most 2^31 - 1 tokens and ",
-              "elements per row, got ", num_tokens, " x ", row_elems);
+  PL_CHECK(num_tokens <= INT32_MAX && row_elems <= INT32_MAX, op, ": at most 2^31 - 1 tokens and ",
+           "elements per row, got ", num_tokens, " x ", row_elems);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
@@ -29,14 +29,14 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const 
                                                   const c10::optional<torch::Tensor>& residual) {
   check_cuda(x, "x", x.device());
   const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [num_tokens, hidden_size], got ", x.sizes());
+  PL_CHECK(x.dim() == 2, "x must be [num_tokens, hidden_size], got ", x.sizes());
   check_last_dim_contiguous(x, "x");
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(hidden > 0, "x must have hidden_size > 0, got ", x.sizes());
+  PL_CHECK(hidden > 0, "x must have hidden_size > 0, got ", x.sizes());
   check_rows(num_tokens, hidden, "rms_norm");
   check_layer_operand(weight, "weight", x);
   check_shape(weight, "weight", {hidden});
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  PL_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   torch::Tensor out = torch::empty({num_tokens, hidden}, x.options());
   torch::Tensor new_residual = x;
 
@@ -66,11 +66,11 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const 
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   check_cuda(x, "x", x.device());
   const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got ", x.sizes());
+  PL_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got ", x.sizes());
   check_last_dim_contiguous(x, "x");
   const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_size = x.size(2);
-  TORCH_CHECK(head_size > 0 && head_size % 2 == 0, "x must have an even head_size > 0, got ",
-              head_size);
+  PL_CHECK(head_size > 0 && head_size % 2 == 0, "x must have an even head_size > 0, got ",
+           head_size);
   check_rows(num_tokens, num_heads * head_size, "rotary");
   check_layer_operand(cos, "cos", x);
   check_shape(cos, "cos", {num_tokens, head_size});
@@ -102,20 +102,20 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
                       const torch::Tensor& slot_mapping, int64_t num_heads) {
   check_cuda(qkv, "qkv", qkv.device());
   const ScalarType dtype = to_scalar_type(qkv, "qkv");
-  TORCH_CHECK(qkv.dim() == 2, "qkv must be [num_tokens, (num_heads + 2 * num_kv_heads) * ",
-              "head_size], got ", qkv.sizes());
+  PL_CHECK(qkv.dim() == 2, "qkv must be [num_tokens, (num_heads + 2 * num_kv_heads) * ",
+           "head_size], got ", qkv.sizes());
   check_last_dim_contiguous(qkv, "qkv");
-  TORCH_CHECK(key_cache.dim() == 4,
-              "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
+  PL_CHECK(key_cache.dim() == 4,
+           "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+           key_cache.sizes());
   const int64_t num_tokens = qkv.size(0), num_kv_heads = key_cache.size(2);
   const int64_t head_size = key_cache.size(3), columns = (num_heads + 2 * num_kv_heads) * head_size;
-  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_size > 0 && head_size % 2 == 0,
-              "rotary_and_cache: num_heads (", num_heads, ") and the cache's num_kv_heads (",
-              num_kv_heads, ") must be > 0 and its head_size (", head_size, ") even");
-  TORCH_CHECK(qkv.size(1) == columns, "qkv must have (num_heads + 2 * num_kv_heads) * head_size = ",
-              columns, " columns for num_heads ", num_heads, " and the cache's ", num_kv_heads,
-              " x ", head_size, ", got ", qkv.sizes());
+  PL_CHECK(num_heads > 0 && num_kv_heads > 0 && head_size > 0 && head_size % 2 == 0,
+           "rotary_and_cache: num_heads (", num_heads, ") and the cache's num_kv_heads (",
+           num_kv_heads, ") must be > 0 and its head_size (", head_size, ") even");
+  PL_CHECK(qkv.size(1) == columns, "qkv must have (num_heads + 2 * num_kv_heads) * head_size = ",
+           columns, " columns for num_heads ", num_heads, " and the cache's ", num_kv_heads,
+           " x ", head_size, ", got ", qkv.sizes());
   check_rows(num_tokens, columns, "rotary_and_cache");
   check_layer_operand(cos, "cos", qkv);
   check_shape(cos, "cos", {num_tokens, head_size});
@@ -144,8 +144,8 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
   check_cuda(x, "x", x.device());
   const ScalarType dtype = to_scalar_type(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
-              "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got ", x.sizes());
+  PL_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
+           "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got ", x.sizes());
   check_last_dim_contiguous(x, "x");
   const int64_t num_tokens = x.size(0), intermediate = x.size(1) / 2;
   check_rows(num_tokens, x.size(1), "silu_and_mul");

@@ -1,4 +1,5 @@
-// With layer_bindings.cpp, the only files of csrc/ that know torch: tensor checks, raw pointers and strides, the current
+// With layer_bindings.cpp, the only files of csrc/ that know torch: tensor checks, raw pointers and
+// strides, the current
 // stream, and the pybind11 module `pagedllm._C`. Kernels and launchers are in the torch-free *.cu.
 //
 // What is checked here (TORCH_CHECK raises RuntimeError / ValueError-like messages):
@@ -59,31 +60,31 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   check_dtype(block_tables, "block_tables", torch::kInt32);
   check_dtype(seq_lens, "seq_lens", torch::kInt32);
 
-  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
+  PL_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got ", query.sizes());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   check_shape(out, "out", query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4,
-              "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes());
+  PL_CHECK(key_cache.dim() == 4,
+           "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+           key_cache.sizes());
   const int64_t num_blocks = key_cache.size(0);
   check_shape(key_cache, "key_cache", {num_blocks, block_size, num_kv_heads, head_size});
   check_shape(value_cache, "value_cache", key_cache.sizes());
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              "block_tables must be [num_seqs=", num_seqs, ", max_num_blocks_per_seq], got ",
-              block_tables.sizes());
-  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim");
+  PL_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+           "block_tables must be [num_seqs=", num_seqs, ", max_num_blocks_per_seq], got ",
+           block_tables.sizes());
+  PL_CHECK(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim");
   check_shape(seq_lens, "seq_lens", {num_seqs});
-  TORCH_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(pagedllm::paged_attention_supports_head_size(static_cast<int>(head_size)),
-              "paged_attention: unsupported head_size ", head_size,
-              "; supported: 64, 80, 96, 112, 128, 256");
-  TORCH_CHECK(pagedllm::paged_attention_supports_block_size(static_cast<int>(block_size)),
-              "paged_attention: block_size must be a power of two (16 or 32), got ", block_size);
-  TORCH_CHECK(num_seqs <= 65535, "paged_attention: at most 65535 sequences per call, got ", num_seqs);
-  TORCH_CHECK(max_seq_len >= 0 && max_seq_len <= (int64_t{1} << 30), "max_seq_len out of range: ",
-              max_seq_len);
+  PL_CHECK(seq_lens.is_contiguous(), "seq_lens must be contiguous");
+  PL_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+           ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  PL_CHECK(pagedllm::paged_attention_supports_head_size(static_cast<int>(head_size)),
+           "paged_attention: unsupported head_size ", head_size,
+           "; supported: 64, 80, 96, 112, 128, 256");
+  PL_CHECK(pagedllm::paged_attention_supports_block_size(static_cast<int>(block_size)),
+           "paged_attention: block_size must be a power of two (16 or 32), got ", block_size);
+  PL_CHECK(num_seqs <= 65535, "paged_attention: at most 65535 sequences per call, got ", num_seqs);
+  PL_CHECK(max_seq_len >= 0 && max_seq_len <= (int64_t{1} << 30), "max_seq_len out of range: ",
+           max_seq_len);
   check_last_dim_contiguous(out, "out");
   check_last_dim_contiguous(query, "query");
   check_last_dim_contiguous(key_cache, "key_cache");
@@ -97,10 +98,10 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
         static_cast<int>(num_seqs), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
         static_cast<int>(max_seq_len));
   }
-  TORCH_CHECK(pagedllm::paged_attention_supports_partition_size(static_cast<int>(partition_size)),
-              "paged_attention: partition_size must be a power of two in [",
-              pagedllm::kMinPartitionSize, ", ", pagedllm::kMaxPartitionSize, "] (or 0: chosen "
-              "per launch), got ", partition_size);
+  PL_CHECK(pagedllm::paged_attention_supports_partition_size(static_cast<int>(partition_size)),
+           "paged_attention: partition_size must be a power of two in [",
+           pagedllm::kMinPartitionSize, ", ", pagedllm::kMaxPartitionSize, "] (or 0: chosen "
+           "per launch), got ", partition_size);
   const int num_partitions = pagedllm::paged_attention_num_partitions(
       static_cast<int>(max_seq_len), static_cast<int>(partition_size));
   torch::Tensor tmp_out, exp_sums, max_logits;
@@ -115,7 +116,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
                                   {&max_logits, "max_logits"}}) {
       check_cuda(*t, name, device);
       check_dtype(*t, name, torch::kFloat32);
-      TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+      PL_CHECK(t->is_contiguous(), name, " must be contiguous");
     }
     check_shape(tmp_out, "tmp_out", out_shape);
     check_shape(exp_sums, "exp_sums", part_shape);
@@ -153,8 +154,8 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   a.num_blocks = static_cast<int>(num_blocks);
   a.max_seq_len = static_cast<int>(max_seq_len);
   a.partition_size = static_cast<int>(partition_size);
-  TORCH_CHECK(num_warps == 0 || num_warps == 2 || num_warps == 4,
-              "paged_attention: num_warps must be 0 (chosen per launch), 2 or 4, got ", num_warps);
+  PL_CHECK(num_warps == 0 || num_warps == 2 || num_warps == 4,
+           "paged_attention: num_warps must be 0 (chosen per launch), 2 or 4, got ", num_warps);
   a.warps = static_cast<int>(num_warps);
   a.scale = static_cast<float>(scale);
 
@@ -169,10 +170,10 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   check_cuda(value, "value", device);
   const ScalarType dtype = to_scalar_type(key, "key");
   check_dtype(value, "value", key.scalar_type());
-  TORCH_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ", key.sizes());
+  PL_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ", key.sizes());
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   check_shape(value, "value", key.sizes());
-  TORCH_CHECK(num_tokens <= INT32_MAX, "too many tokens: ", num_tokens);
+  PL_CHECK(num_tokens <= INT32_MAX, "too many tokens: ", num_tokens);
   check_last_dim_contiguous(key, "key");
   check_last_dim_contiguous(value, "value");
 
@@ -198,34 +199,34 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
 void check_mapping_ids(const torch::Tensor& cpu_mapping, int64_t src_blocks, int64_t dst_blocks) {
   const int64_t* ids = cpu_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < cpu_mapping.size(0); ++i) {
-    TORCH_CHECK(ids[2 * i] >= 0 && ids[2 * i] < src_blocks, "block_mapping[", i, "] source block ",
-                ids[2 * i], " out of range [0, ", src_blocks, ")");
-    TORCH_CHECK(ids[2 * i + 1] >= 0 && ids[2 * i + 1] < dst_blocks, "block_mapping[", i,
-                "] destination block ", ids[2 * i + 1], " out of range [0, ", dst_blocks, ")");
+    PL_CHECK(ids[2 * i] >= 0 && ids[2 * i] < src_blocks, "block_mapping[", i, "] source block ",
+             ids[2 * i], " out of range [0, ", src_blocks, ")");
+    PL_CHECK(ids[2 * i + 1] >= 0 && ids[2 * i + 1] < dst_blocks, "block_mapping[", i,
+             "] destination block ", ids[2 * i + 1], " out of range [0, ", dst_blocks, ")");
   }
 }
 
 void check_mapping_shape(const torch::Tensor& mapping) {
   check_dtype(mapping, "block_mapping", torch::kInt64);
-  TORCH_CHECK(mapping.dim() == 2 && mapping.size(1) == 2, "block_mapping must be [num_pairs, 2], got ",
-              mapping.sizes());
+  PL_CHECK(mapping.dim() == 2 && mapping.size(1) == 2, "block_mapping must be [num_pairs, 2], got ",
+           mapping.sizes());
 }
 
 // A block of a cache is dims 1.. of the tensor and must be contiguous; dim 0 is the block id.
 void check_block_contiguous(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() >= 2, name, " must have a leading block dimension, got ", t.sizes());
-  TORCH_CHECK(t[0].is_contiguous(), name, " must be contiguous within a block, got strides ", t.strides());
+  PL_CHECK(t.dim() >= 2, name, " must have a leading block dimension, got ", t.sizes());
+  PL_CHECK(t[0].is_contiguous(), name, " must be contiguous within a block, got strides ", t.strides());
 }
 
 void copy_blocks(const std::vector<torch::Tensor>& key_caches,
                  const std::vector<torch::Tensor>& value_caches, const torch::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: ", key_caches.size(),
-              " key caches but ", value_caches.size(), " value caches");
+  PL_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: ", key_caches.size(),
+           " key caches but ", value_caches.size(), " value caches");
   if (key_caches.empty()) return;
   check_mapping_shape(block_mapping);
   const torch::Tensor& first = key_caches[0];
   const torch::Device device = first.device();
-  TORCH_CHECK(first.is_cuda(), "copy_blocks: caches must be CUDA tensors, got ", device);
+  PL_CHECK(first.is_cuda(), "copy_blocks: caches must be CUDA tensors, got ", device);
   check_block_contiguous(first, "key_caches[0]");
   int64_t ptr_alignment = 16;
   std::vector<int64_t> key_ptrs, value_ptrs;
@@ -233,9 +234,9 @@ void copy_blocks(const std::vector<torch::Tensor>& key_caches,
     for (const auto* t : {&key_caches[i], &value_caches[i]}) {
       check_cuda(*t, "cache", device);
       check_dtype(*t, "cache", first.scalar_type());
-      TORCH_CHECK(t->sizes() == first.sizes() && t->strides() == first.strides(),
-                  "copy_blocks: every cache must have the shape and strides of key_caches[0] (",
-                  first.sizes(), "), got ", t->sizes());
+      PL_CHECK(t->sizes() == first.sizes() && t->strides() == first.strides(),
+               "copy_blocks: every cache must have the shape and strides of key_caches[0] (",
+               first.sizes(), "), got ", t->sizes());
       const auto address = reinterpret_cast<int64_t>(t->data_ptr());
       while (address % ptr_alignment != 0) ptr_alignment /= 2;
     }
@@ -277,20 +278,20 @@ void copy_blocks(const std::vector<torch::Tensor>& key_caches,
 
 void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping) {
   check_mapping_shape(block_mapping);
-  TORCH_CHECK(block_mapping.device().is_cpu(), "swap_blocks: block_mapping must be on the CPU, got ",
-              block_mapping.device());
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src is ", src.scalar_type(),
-              " but dst is ", dst.scalar_type());
-  TORCH_CHECK(src.dim() >= 2 && src.sizes().slice(1) == dst.sizes().slice(1),
-              "swap_blocks: src and dst must have the same block shape, got ", src.sizes(), " and ",
-              dst.sizes());
+  PL_CHECK(block_mapping.device().is_cpu(), "swap_blocks: block_mapping must be on the CPU, got ",
+           block_mapping.device());
+  PL_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src is ", src.scalar_type(),
+           " but dst is ", dst.scalar_type());
+  PL_CHECK(src.dim() >= 2 && src.sizes().slice(1) == dst.sizes().slice(1),
+           "swap_blocks: src and dst must have the same block shape, got ", src.sizes(), " and ",
+           dst.sizes());
   check_block_contiguous(src, "src");
   check_block_contiguous(dst, "dst");
   cudaMemcpyKind kind;
   torch::Device cuda_device = src.device();
   if (src.is_cuda() && dst.is_cuda()) {
-    TORCH_CHECK(src.device() == dst.device(), "swap_blocks: src and dst on different GPUs (",
-                src.device(), ", ", dst.device(), ")");
+    PL_CHECK(src.device() == dst.device(), "swap_blocks: src and dst on different GPUs (",
+             src.device(), ", ", dst.device(), ")");
     kind = cudaMemcpyDeviceToDevice;
   } else if (src.is_cuda() && dst.device().is_cpu()) {
     kind = cudaMemcpyDeviceToHost;
@@ -298,8 +299,8 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
     kind = cudaMemcpyHostToDevice;
     cuda_device = dst.device();
   } else {
-    TORCH_CHECK(false, "swap_blocks: one of src (", src.device(), ") and dst (", dst.device(),
-                ") must be a CUDA tensor");
+    PL_CHECK(false, "swap_blocks: one of src (", src.device(), ") and dst (", dst.device(),
+             ") must be a CUDA tensor");
   }
   const torch::Tensor mapping = block_mapping.contiguous();
   check_mapping_ids(mapping, src.size(0), dst.size(0));

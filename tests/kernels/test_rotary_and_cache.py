@@ -102,6 +102,10 @@ def test_bad_arguments_raise(cuda_ops: ModuleType) -> None:
                           (dict(value_cache=cache[1].half()), "value")]:
         with pytest.raises(KernelArgumentError, match=match):
             cuda_ops.rotary_and_cache(**{**ok, **change})
-    kernels = cuda_ops.load_kernels()  # the binding checks on its own too
-    with pytest.raises(RuntimeError, match="columns"):
+    # the bindings check on their own too; their messages carry numbers and shapes
+    kernels = cuda_ops.load_kernels()
+    with pytest.raises(RuntimeError, match=r"640 columns .* got \[3, 768\]"):
         kernels.rotary_and_cache(qkv, cos, cos, cache[0], cache[1], slots, 6)
+    kv = qkv.view(3, -1, 64)[:, 8:10]
+    with pytest.raises(RuntimeError, match=r"key_cache must have shape \[6, 16, 2, 32\]"):
+        kernels.reshape_and_cache(kv[..., :32], kv[..., 32:], cache[0], cache[1], slots)
