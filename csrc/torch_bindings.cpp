@@ -1,8 +1,8 @@
 // With layer_bindings.cpp, the only files of csrc/ that know torch: tensor checks, raw pointers and
-// strides, the current
-// stream, and the pybind11 module `pagedllm._C`. Kernels and launchers are in the torch-free *.cu.
+// strides, the current stream, and the pybind11 module `pagedllm._C`. Kernels and launchers are in
+// the torch-free *.cu.
 //
-// What is checked here (TORCH_CHECK raises RuntimeError / ValueError-like messages):
+// What is checked here (PL_CHECK, binding_checks.h, raises RuntimeError):
 //   * devices: every tensor on the same CUDA device (swap_blocks: one side CPU), block tables,
 //     seq_lens and slot_mapping included;
 //   * dtypes: data tensors share one dtype in {float32, float16, bfloat16}; block_tables and seq_lens
