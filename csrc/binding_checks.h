@@ -1,5 +1,5 @@
 // Shared by the two binding files (torch_bindings.cpp, layer_bindings.cpp): dtype mapping and the
-// tensor checks that raise (TORCH_CHECK) before a launch, the current stream, launch errors.
+// tensor checks that raise (PL_CHECK) before a launch, the current stream, launch errors.
 #pragma once
 
 #include <torch/extension.h>
