@@ -108,15 +108,71 @@ PL_DEVICE float pl_fadd_rn(float a, float b) {
 #endif
 }
 
+// Programmatic dependent launch (CUDA, sm_90 and newer; see launch_kernel below). Every kernel
+// calls pl_wait_prior_grids() before it touches memory that an earlier kernel of the stream writes
+// or reads (it returns once that kernel has completed and its writes are visible), and
+// pl_release_dependents() once the next kernel may be scheduled beside it. The small layer kernels
+// release first thing, so that a chain of them lets the next GEMV (gemv_kernels.cu) start
+// streaming its weights while the GEMV before them is still running; the dependents still wait,
+// so ordering is as with plain launches. Both are no-ops elsewhere.
+PL_DEVICE void pl_wait_prior_grids() {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+PL_DEVICE void pl_release_dependents() {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 #endif  // __CUDACC__ || __HIPCC__
 
 // Kernel launches go through this one helper so the launch syntax lives in a single place.
+//
+// On CUDA, once configure_programmatic_launch(true) found the kernels compiled for sm_90 or newer,
+// launches carry the programmatic-stream-serialization attribute: a kernel may be scheduled while
+// the previous kernel of the stream finishes (its blocks wait in pl_wait_prior_grids), which hides
+// most of a launch's latency between the many small kernels of a decode step. Kept in CUDA graphs.
+namespace pagedllm {
+// Whether launch_kernel uses programmatic dependent launch (false until configured; always on HIP).
+bool programmatic_launch_enabled();
+// Turns it on when `enable` and the kernels run as sm_90+ code on the current device (probed with
+// one kernel and a synchronizing copy: call it outside graph capture), else off. Returns the state.
+bool configure_programmatic_launch(bool enable);
+// __CUDA_ARCH__ of the kernels as they run on the device (e.g. 900), as probed by
+// configure_programmatic_launch; 0 before that and on HIP.
+int kernel_arch();
+}  // namespace pagedllm
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 namespace pagedllm {
 template <typename... KernelArgs, typename... Args>
+inline void launch_kernel_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                               int dynamic_smem_bytes, cudaStream_t stream, Args... args) {
+#if !defined(USE_ROCM)
+  if (programmatic_launch_enabled()) {
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = dynamic_smem_bytes;
+    config.stream = stream;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+    return;
+  }
+#endif
+  kernel<<<grid, block, dynamic_smem_bytes, stream>>>(static_cast<KernelArgs>(args)...);
+}
+
+template <typename... KernelArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
                           Args... args) {
-  kernel<<<grid, block, 0, stream>>>(static_cast<KernelArgs>(args)...);
+  launch_kernel_smem(kernel, grid, block, 0, stream, args...);
 }
 }  // namespace pagedllm
 #endif

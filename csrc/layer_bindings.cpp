@@ -164,6 +164,43 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
+                   const c10::optional<torch::Tensor>& bias, bool staged) {
+  check_cuda(x, "x", x.device());
+  const ScalarType dtype = to_scalar_type(x, "x");
+  PL_CHECK(dtype != ScalarType::kFloat32, "gemv: x must be float16 or bfloat16, got ",
+           x.scalar_type());
+  PL_CHECK(x.dim() == 2 && x.size(0) == 1, "gemv: x must be [1, in_features], got ", x.sizes());
+  PL_CHECK(x.is_contiguous(), "gemv: x must be contiguous");
+  check_layer_operand(weight, "weight", x);
+  PL_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
+           "gemv: weight must be [out_features, ", x.size(1), "], got ", weight.sizes());
+  PL_CHECK(weight.is_contiguous(), "gemv: weight must be contiguous");
+  PL_CHECK(pagedllm::gemv_supports_k(x.size(1)), "gemv: in_features must be a multiple of 8 in "
+           "[8, ", pagedllm::kGemvMaxK, "], got ", x.size(1));
+  check_aligned16(x, "x");
+  check_aligned16(weight, "weight");
+  const int64_t n = weight.size(0);
+  torch::Tensor out = torch::empty({1, n}, x.options());
+  pagedllm::GemvArgs a{};
+  if (bias.has_value()) {
+    check_layer_operand(*bias, "bias", x);
+    check_shape(*bias, "bias", {n});
+    a.bias = bias->data_ptr();
+  }
+  a.dtype = dtype;
+  a.out = out.data_ptr();
+  a.x = x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.n = n;
+  a.k = static_cast<int>(x.size(1));
+  a.staged = staged;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(pagedllm::launch_gemv(a, current_stream(x)), "gemv");
+  return out;
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module_& m) {
@@ -182,6 +219,10 @@ void register_layer_ops(pybind11::module_& m) {
   m.def("silu_and_mul", &silu_and_mul,
         "silu(x[:, :I]) * x[:, I:] for x [num_tokens, 2 * I]; returns [num_tokens, I].",
         py::arg("x"));
+  m.def("gemv", &gemv,
+        "x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] for one-token decode steps (float16/bfloat16;"
+        " staged: weights streamed through shared memory on sm_90+).",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true);
 }
 
 }  // namespace pagedllm::binding

@@ -262,4 +262,29 @@ struct SiluAndMulArgs {
 // out = round(silu(gate)) * up, silu(g) = g / (1 + exp(-g)).
 cudaError_t launch_silu_and_mul(const SiluAndMulArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// GEMV for one-token (batch 1) decode linears (gemv_kernels.cu).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kGemvMaxK = 16384;
+
+// In-features the GEMV takes: whole 16-byte vectors of a 16-bit dtype, at most kGemvMaxK.
+inline bool gemv_supports_k(int64_t k) { return k > 0 && k % 8 == 0 && k <= kGemvMaxK; }
+
+struct GemvArgs {
+  ScalarType dtype;               // of every tensor: float16 or bfloat16
+  void* out;                      // [n], contiguous
+  const void* x;                  // [k], contiguous, 16-byte aligned
+  const void* weight;             // [n, k], contiguous, 16-byte aligned
+  const void* bias;               // [n] or nullptr
+  int64_t n;
+  int k;                          // gemv_supports_k
+  bool staged;                    // stream the weights through shared memory with bulk copies
+                                  // (sm_90+; ignored elsewhere)
+  int stage_rows;                 // set by the launcher
+};
+
+// out = weight @ x (+ bias), accumulated in float32 and rounded once.
+cudaError_t launch_gemv(GemvArgs args, cudaStream_t stream);
+
 }  // namespace pagedllm

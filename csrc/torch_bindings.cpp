@@ -339,5 +339,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_caches"), py::arg("value_caches"), py::arg("block_mapping"));
   m.def("swap_blocks", &swap_blocks, "Copy blocks between a GPU cache and a (pinned) CPU cache.",
         py::arg("src"), py::arg("dst"), py::arg("block_mapping"));
+  m.def("configure_programmatic_launch", &pagedllm::configure_programmatic_launch,
+        "Use programmatic dependent launch when `enable` and the device runs the kernels as "
+        "sm_90+ code (call outside graph capture); returns whether it is on.",
+        py::arg("enable"));
+  m.def("programmatic_launch_enabled", &pagedllm::programmatic_launch_enabled,
+        "Whether the kernels are launched with programmatic dependent launch.");
+  m.def("kernel_arch", &pagedllm::kernel_arch,
+        "__CUDA_ARCH__ of the kernels as they run on the device (e.g. 900; 0 before "
+        "configure_programmatic_launch and on HIP).");
   pagedllm::binding::register_layer_ops(m);
 }

@@ -1,20 +1,32 @@
-// Fused float32 layer ops for the cpu backend: one pass each in place of the 3-6 torch ops of the
-// reference ops (pagedllm/models/layers/ops.py), whose per-op dispatch and thread-pool round trips
-// cost more than their arithmetic at decode-step sizes (tens of rows).
+// Fused layer ops for the cpu backend (float32, bfloat16, float16): one pass each in place of the
+// 3-6 torch ops of the reference ops (pagedllm/models/layers/ops.py), whose per-op dispatch,
+// thread-pool round trips and temporaries cost more than their arithmetic at decode-step sizes
+// (tens of rows) and, in half precision, at prefill sizes too (each reference op writes a full
+// [tokens, width] temporary, some in float32).
 //
 // Rounding follows the reference op by op (built with -ffp-contract=off, so no product is fused
-// into an add behind our back):
-//   * rotary and write_kv are bit-identical to the reference, and silu_and_mul is where torch runs
-//     its AVX2 kernels (the vectors built here); torch's AVX-512 exp can differ by one ulp;
-//   * rms_norm sums the squares in another order than torch's reduction, so its mean may differ in
-//     the last bit; everything after it (rsqrt, the two products) is the reference's arithmetic.
+// into an add behind our back). Arithmetic is in float32, as torch's CPU kernels for bf16/fp16
+// do; every value the reference materializes in the half dtype is rounded to it here
+// (round-to-nearest-even, as torch's conversions), and read back as float:
+//   rms_norm      h = T(x + r); normed = T(h * inv_rms) (the reference's .to(dtype));
+//                 out = T(w * normed)                                 (float32: w * (h * inv_rms))
+//   rotary        out = T(T(x1 * c) + T(-x2 * s)), T(T(x2 * c) + T(x1 * s))
+//   silu_and_mul  out = T(T(g / (1 + exp(-g))) * u)
+// So rotary and write_kv are bit-identical to the reference in every dtype, and silu_and_mul is
+// where torch runs its AVX2 kernels (the vectors built here); torch's AVX-512 exp can differ by
+// one float32 ulp, which a half-precision rounding hides except at a tie. rms_norm sums the
+// squares in another order than torch's reduction, so its mean may differ in the last float32
+// bit; everything after it (rsqrt, the products, the roundings) is the reference's arithmetic.
 //
 // Registered as torch.ops.pagedllm_cpu.{rms_norm, rotary, silu_and_mul, write_kv} (a fragment of
 // the library paged_attention_cpu.cpp defines).
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,17 +34,73 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
 using VecF = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = VecF::size();
+// Values per vector step: two float vectors, which is one Vectorized<BFloat16 / Half>.
+constexpr int64_t kStep = 2 * kLanes;
 
-void check_float_cpu(const at::Tensor& t, const char* name) {
+// ---------------------------------------------------------------------------------------------
+// float <-> T (float, c10::BFloat16, c10::Half), kStep values at a time or one
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+inline void load2(const T* p, VecF& a, VecF& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = VecF::loadu(p);
+    b = VecF::loadu(p + kLanes);
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+  }
+}
+
+// Stores a and b at p, rounded to T (nearest even).
+template <typename T>
+inline void store2(T* p, const VecF& a, const VecF& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kLanes);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// a and b rounded to T and read back as float (what a torch op storing T hands the next op).
+template <typename T>
+inline void round2(VecF& a, VecF& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+  }
+}
+
+template <typename T>
+inline float round1(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// ---------------------------------------------------------------------------------------------
+// argument checks
+// ---------------------------------------------------------------------------------------------
+
+bool is_model_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " (the dtype of x), got ",
+              t.scalar_type());
   TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1, name,
               " must be contiguous in its last dim, got strides ", t.strides());
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(is_model_dtype(x.scalar_type()), "x must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  check_cpu(x, "x", x.scalar_type());
 }
 
 // Rows per task of at::parallel_for: enough work per task to amortize the hand-off.
@@ -40,12 +108,80 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
 }
 
-// (weight * round(h * rsqrt(mean(h^2) + eps)), h) with h = x + residual (or x): the reference's
-// F.rms_norm in float32, residual add included.
+// ---------------------------------------------------------------------------------------------
+// rms_norm
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps,
+                   const c10::optional<at::Tensor>& residual, at::Tensor& out, at::Tensor& h_out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* x_ptr = x.const_data_ptr<T>();
+  const int64_t x_stride = x.stride(0);
+  const T* r_ptr = residual.has_value() ? residual->const_data_ptr<T>() : nullptr;
+  const int64_t r_stride = residual.has_value() ? residual->stride(0) : 0;
+  const T* w = weight.const_data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  T* h_ptr = residual.has_value() ? h_out.data_ptr<T>() : nullptr;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* h = x_ptr + row * x_stride;
+      if (r_ptr != nullptr) {  // h = T(x + residual), stored as the new residual
+        T* hr = h_ptr + row * n;
+        const T* r = r_ptr + row * r_stride;
+        int64_t i = 0;
+        for (; i + kStep <= n; i += kStep) {
+          VecF a0, a1, b0, b1;
+          load2(h + i, a0, a1);
+          load2(r + i, b0, b1);
+          store2(hr + i, a0 + b0, a1 + b1);
+        }
+        for (; i < n; ++i) {
+          hr[i] = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(r[i]));
+        }
+        h = hr;
+      }
+      VecF acc0(0.f), acc1(0.f);
+      int64_t i = 0;
+      for (; i + kStep <= n; i += kStep) {
+        VecF v0, v1;
+        load2(h + i, v0, v1);
+        acc0 = acc0 + v0 * v0;
+        acc1 = acc1 + v1 * v1;
+      }
+      float lanes[kLanes];
+      (acc0 + acc1).store(lanes);
+      float sum = 0.f;
+      for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+      for (; i < n; ++i) sum += static_cast<float>(h[i]) * static_cast<float>(h[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+      const VecF inv_v(inv);
+      T* o = o_ptr + row * n;
+      int64_t k = 0;
+      for (; k + kStep <= n; k += kStep) {
+        VecF h0, h1, w0, w1;
+        load2(h + k, h0, h1);
+        load2(w + k, w0, w1);
+        h0 = h0 * inv_v;
+        h1 = h1 * inv_v;
+        round2<T>(h0, h1);
+        store2(o + k, w0 * h0, w1 * h1);
+      }
+      for (; k < n; ++k) {
+        const float normed = round1<T>(static_cast<float>(h[k]) * inv);
+        o[k] = static_cast<T>(static_cast<float>(w[k]) * normed);
+      }
+    }
+  });
+}
+
+// (T(w * T(h * rsqrt(mean(h^2) + eps))), h) with h = T(x + residual) (or x): the reference's
+// rms_norm, residual add included (float32: one F.rms_norm).
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual) {
-  check_float_cpu(x, "x");
-  check_float_cpu(weight, "weight");
+  check_x(x);
+  const auto dtype = x.scalar_type();
+  check_cpu(weight, "weight", dtype);
   TORCH_CHECK(x.dim() == 2, "x must be [num_tokens, hidden_size], got shape ", x.sizes());
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "weight must be [hidden_size=", n,
@@ -53,58 +189,81 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor h_out = x;
-  const float* r_ptr = nullptr;
-  int64_t r_stride = 0;
   if (residual.has_value()) {
-    check_float_cpu(*residual, "residual");
+    check_cpu(*residual, "residual", dtype);
     TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have the shape of x ", x.sizes(),
                 ", got ", residual->sizes());
     h_out = at::empty({rows, n}, x.options());
-    r_ptr = residual->const_data_ptr<float>();
-    r_stride = residual->stride(0);
   }
-  const float* x_ptr = x.const_data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  const float* w = weight.const_data_ptr<float>();
-  float* o_ptr = out.data_ptr<float>();
-  float* h_ptr = residual.has_value() ? h_out.data_ptr<float>() : nullptr;
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* h = x_ptr + row * x_stride;
-      if (r_ptr != nullptr) {  // h = x + residual, stored as the new residual
-        float* hr = h_ptr + row * n;
-        const float* r = r_ptr + row * r_stride;
-        for (int64_t i = 0; i < n; ++i) hr[i] = h[i] + r[i];
-        h = hr;
-      }
-      VecF acc(0.f);
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-        const VecF v = VecF::loadu(h + i);
-        acc = acc + v * v;
-      }
-      float lanes[kLanes];
-      acc.store(lanes);
-      float sum = 0.f;
-      for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
-      for (; i < n; ++i) sum += h[i] * h[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + feps);
-      float* o = o_ptr + row * n;
-      for (int64_t k = 0; k < n; ++k) o[k] = w[k] * (h[k] * inv);
-    }
-  });
+  const auto feps = static_cast<float>(eps);
+  switch (dtype) {
+    case at::kBFloat16: rms_norm_rows<c10::BFloat16>(x, weight, feps, residual, out, h_out); break;
+    case at::kHalf: rms_norm_rows<c10::Half>(x, weight, feps, residual, out, h_out); break;
+    default: rms_norm_rows<float>(x, weight, feps, residual, out, h_out); break;
+  }
   return {out, h_out};
 }
 
-// Neox rotary embedding of x [num_tokens, num_heads, head_size] with cos/sin [num_tokens,
-// head_size]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; a new contiguous tensor.
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_float_cpu(x, "x");
-  check_float_cpu(cos, "cos");
-  check_float_cpu(sin, "sin");
-  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got shape ", x.sizes());
+// ---------------------------------------------------------------------------------------------
+// rotary
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const T* xp = x.const_data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, tokens, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * cs;
+      const T* s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = xp + t * xs0 + h * xs1;
+        T* o = op + (t * heads + h) * d;
+        int64_t i = 0;
+        for (; i + kStep <= half; i += kStep) {
+          VecF x1a, x1b, x2a, x2b, c1a, c1b, c2a, c2b, s1a, s1b, s2a, s2b;
+          load2(xr + i, x1a, x1b);
+          load2(xr + i + half, x2a, x2b);
+          load2(c + i, c1a, c1b);
+          load2(c + i + half, c2a, c2b);
+          load2(s + i, s1a, s1b);
+          load2(s + i + half, s2a, s2b);
+          VecF p1a = x1a * c1a, p1b = x1b * c1b, q1a = x2a.neg() * s1a, q1b = x2b.neg() * s1b;
+          VecF p2a = x2a * c2a, p2b = x2b * c2b, q2a = x1a * s2a, q2b = x1b * s2b;
+          round2<T>(p1a, p1b);
+          round2<T>(q1a, q1b);
+          round2<T>(p2a, p2b);
+          round2<T>(q2a, q2b);
+          store2(o + i, p1a + q1a, p1b + q1b);
+          store2(o + i + half, p2a + q2a, p2b + q2b);
+        }
+        for (; i < half; ++i) {
+          const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
+          o[i] = static_cast<T>(round1<T>(x1 * static_cast<float>(c[i])) +
+                                round1<T>((-x2) * static_cast<float>(s[i])));
+          o[i + half] = static_cast<T>(round1<T>(x2 * static_cast<float>(c[i + half])) +
+                                       round1<T>(x1 * static_cast<float>(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+// Neox rotary embedding of x [num_tokens, num_heads, head_size] with cos/sin [num_tokens,
+// head_size] of x's dtype: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; a new
+// contiguous tensor.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_x(x);
+  const auto dtype = x.scalar_type();
+  check_cpu(cos, "cos", dtype);
+  check_cpu(sin, "sin", dtype);
+  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got shape ", x.sizes());
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "x must have an even head_size, got ", d);
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == d,
@@ -112,60 +271,64 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                 t->sizes());
   }
   at::Tensor out = at::empty({tokens, heads, d}, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  const float* cp = cos.const_data_ptr<float>();
-  const float* sp = sin.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
-  at::parallel_for(0, tokens, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+  switch (dtype) {
+    case at::kBFloat16: rotary_rows<c10::BFloat16>(x, cos, sin, out); break;
+    case at::kHalf: rotary_rows<c10::Half>(x, cos, sin, out); break;
+    default: rotary_rows<float>(x, cos, sin, out); break;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu_and_mul
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t tokens = x.size(0), inter = x.size(1) / 2;
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  const VecF one(1.f);
+  at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * cs;
-      const float* s = sp + t * ss;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* xr = xp + t * xs0 + h * xs1;
-        float* o = op + (t * heads + h) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = xr[i], x2 = xr[i + half];
-          o[i] = x1 * c[i] + (-x2) * s[i];
-          o[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
+      const T* g = xp + t * xs;
+      const T* u = g + inter;
+      T* o = op + t * inter;
+      int64_t i = 0;
+      for (; i + kStep <= inter; i += kStep) {
+        VecF g0, g1, u0, u1;
+        load2(g + i, g0, g1);
+        load2(u + i, u0, u1);
+        VecF s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+        round2<T>(s0, s1);
+        store2(o + i, s0 * u0, s1 * u1);
+      }
+      for (; i < inter; ++i) {  // torch's scalar tail: std::exp
+        const float gv = static_cast<float>(g[i]);
+        const float silu = round1<T>(gv / (1.f + std::exp(-gv)));
+        o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
       }
     }
   });
-  return out;
 }
 
 // x [num_tokens, 2 * I] (gate, then up) -> silu(gate) * up [num_tokens, I], silu(g) = g / (1 +
 // exp(-g)) computed as torch's CPU silu kernel does (its vectorized exp on whole vectors, std::exp
 // on the rest).
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_float_cpu(x, "x");
+  check_x(x);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
               "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got shape ",
               x.sizes());
-  const int64_t tokens = x.size(0), inter = x.size(1) / 2;
-  at::Tensor out = at::empty({tokens, inter}, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  const VecF one(1.f);
-  at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * xs;
-      const float* u = g + inter;
-      float* o = op + t * inter;
-      int64_t i = 0;
-      for (; i + kLanes <= inter; i += kLanes) {
-        const VecF gv = VecF::loadu(g + i);
-        const VecF silu = gv / (one + gv.neg().exp());
-        (silu * VecF::loadu(u + i)).store(o + i);
-      }
-      for (; i < inter; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
-    }
-  });
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kBFloat16: silu_and_mul_rows<c10::BFloat16>(x, out); break;
+    case at::kHalf: silu_and_mul_rows<c10::Half>(x, out); break;
+    default: silu_and_mul_rows<float>(x, out); break;
+  }
   return out;
 }
-
 // key/value [num_tokens, num_kv_heads, head_size] into kv_cache [2, num_blocks, block_size,
 // num_kv_heads, head_size] at slot_mapping [num_tokens] (int64; negative = padding, skipped).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,

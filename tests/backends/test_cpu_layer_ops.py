@@ -1,8 +1,9 @@
-"""The cpu backend's fused float32 layer ops (csrc/cpu/layer_ops_cpu.cpp) against the torch
-reference ops of pagedllm/models/layers/ops.py: rotary, silu_and_mul and the KV-cache write bit for
-bit, rms_norm within one float32 rounding of its mean; their argument checks; and the backend's
-wiring (registered by default, not with attention_backend="torch"). Skipped where the cpu kernels
-cannot be built (the cpu_kernels fixture in tests/conftest.py)."""
+"""The cpu backend's fused layer ops (csrc/cpu/layer_ops_cpu.cpp) against the torch reference ops
+of pagedllm/models/layers/ops.py, in float32, bfloat16 and float16: rotary, silu_and_mul and the
+KV-cache write bit for bit, rms_norm within one rounding of its mean (float32: of the float32
+result; bf16/fp16: at most one ulp of the dtype, on rare elements); their argument checks; and the
+backend's wiring (registered by default, not with attention_backend="torch"). Skipped where the
+cpu kernels cannot be built (the cpu_kernels fixture in tests/conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,16 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import build_metadata
 
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _bits(a: torch.Tensor) -> torch.Tensor:
+    return a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32),
-                                              b.contiguous().view(torch.int32))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +38,17 @@ def ops(cpu_kernels):
     return layer_ops(cpu_kernels)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,d", [(1, 1, 64), (7, 20, 64), (64, 6, 128), (3, 2, 80)])
-def test_rotary_bit_identical(ops, tokens: int, heads: int, d: int) -> None:
+def test_rotary_bit_identical(ops, tokens: int, heads: int, d: int, dtype: torch.dtype) -> None:
+    """Every dtype: half dtypes round each product and the sum as the reference's separate ops
+    do (head_size 80: 40-wide halves, so vector and scalar tail both run)."""
     gen = torch.Generator().manual_seed(tokens * heads + d)
-    qkv = torch.randn(tokens, (heads + 3) * d, generator=gen)  # x is a strided view, as in llama
+    qkv = torch.randn(tokens, (heads + 3) * d, generator=gen).to(dtype)  # x: a strided view
     x = qkv[:, : heads * d].view(tokens, heads, d)
     angles = torch.rand(tokens, d // 2, generator=gen) * 100
-    cos = torch.cat([angles.cos()] * 2, dim=-1)
-    sin = torch.cat([angles.sin()] * 2, dim=-1)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)  # the model's tables: its dtype
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
     got = ops["rotary"](x, cos, sin)
     assert got.is_contiguous() and _same_bits(got, reference.rotary(x, cos, sin))
 
@@ -54,6 +65,18 @@ def test_silu_and_mul_bit_identical(ops, tokens: int, inter: int) -> None:
         assert _same_bits(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1.2e-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 16), (5, 352), (64, 2816), (3, 27)])
+def test_silu_and_mul_half_bit_identical(ops, tokens: int, inter: int, dtype: torch.dtype) -> None:
+    """bf16/fp16: silu rounded to the dtype before the product, as F.silu's output is; the
+    float32 ulp by which torch's AVX-512 exp may differ vanishes in that rounding (no element
+    of these inputs lies that close to a half-precision rounding boundary)."""
+    gen = torch.Generator().manual_seed(inter + 7)
+    x = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -0.0, 11.0, -11.0])
+    assert _same_bits(ops["silu_and_mul"](x), reference.silu_and_mul(x))
 
 
 def test_silu_and_mul_odd_width_within_one_ulp(ops) -> None:
@@ -80,6 +103,73 @@ def test_rms_norm(ops, tokens: int, hidden: int, with_residual: bool) -> None:
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (9, 1024), (64, 4096), (2, 100)])
+def test_rms_norm_half(ops, tokens: int, hidden: int, with_residual: bool,
+                       dtype: torch.dtype) -> None:
+    """bf16/fp16: the new residual bit for bit (x + residual rounded to the dtype); the output
+    is T(w * T(h * inv_rms)) as the reference's, so it differs only where the float32 mean's last
+    bit (summation order) moves T(h * inv_rms) across a rounding boundary: that value one ulp of
+    the dtype away, so the output (its product with w, rounded) at most two, on at most 0.2% of
+    the elements. Skipping either rounding fails this."""
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = (torch.randn(tokens, hidden + 8, generator=gen)[:, :hidden] * 3).to(dtype)  # strided
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype) if with_residual else None
+    got, got_h = ops["rms_norm"](x, weight, 1e-5, residual)
+    ref, ref_h = reference.rms_norm(x, weight, 1e-5, residual)
+    assert _same_bits(got_h, ref_h) and got.dtype == dtype
+    differ = got != ref
+    assert differ.sum().item() <= max(1, got.numel() // 500)
+    if differ.any():  # bit patterns of one sign: their distance counts ulps
+        steps = (_bits(got).int() - _bits(ref).int())[differ].abs()
+        assert int(steps.max()) <= 2
+
+
+def test_half_ops_with_mixed_dtypes_use_the_reference(ops) -> None:
+    """A bf16 x with float32 cos/sin, weight or residual (type promotion to float32 in the
+    reference) is not the kernels' case: the reference runs and returns its dtype."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.rand(4, 64, generator=gen), torch.rand(4, 64, generator=gen)
+    got = ops["rotary"](x, cos, sin)
+    assert got.dtype == torch.float32 and _same_bits(got, reference.rotary(x, cos, sin))
+    h = x.view(4, 128)
+    w = torch.randn(128, generator=gen)
+    for weight, residual in ((w, None), (w.bfloat16(), h.float())):
+        got, got_h = ops["rms_norm"](h, weight, 1e-6, residual)
+        ref, ref_h = reference.rms_norm(h, weight, 1e-6, residual)
+        assert _same_bits(got, ref) and _same_bits(got_h, ref_h)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 4096), (64, 4096), (5, 1000), (3, 7)])
+def test_greedy_logprobs_bit_identical(ops, rows: int, vocab: int) -> None:
+    """torch.argmax's token and log_softmax's value at it, bit for bit (the kernel runs torch's
+    own reduce/exp/log vector code); vocab 1000 and 7 take the partial-vector tails."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 8
+    logits[0, vocab // 2] = float("-inf")
+    tokens, lp = ops["greedy_logprobs"](logits)
+    ref_tokens, ref_lp = reference.greedy_logprobs(logits)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, ref_tokens)
+    assert _same_bits(lp, ref_lp)
+
+
+def test_greedy_logprobs_ties_and_nan(ops) -> None:
+    """A tied maximum gives its first index (torch.argmax's rule); a row with a NaN gives the
+    first NaN's index and a NaN logprob, as the reference; strided rows (a logits view) work."""
+    logits = torch.zeros(3, 40 + 3)[:, :40]
+    logits[0, [5, 17, 30]] = 2.5
+    logits[1, [3, 9]] = float("nan")
+    logits[1, 20] = 100.0
+    logits[2] = -torch.arange(40.0)
+    tokens, lp = ops["greedy_logprobs"](logits)
+    ref_tokens, ref_lp = reference.greedy_logprobs(logits)
+    assert tokens.tolist() == ref_tokens.tolist() == [5, 3, 0]
+    assert _same_bits(lp, ref_lp) and lp[1].isnan()
+
+
 def _metadata(slots: list[int]) -> AttentionMetadata:
     """The model runner's metadata for a decode step of len(slots) tokens, with ``slots`` as its
     slot mapping (padding and out-of-range slots included)."""
@@ -90,7 +180,7 @@ def _metadata(slots: list[int]) -> AttentionMetadata:
     return dataclasses.replace(meta, slot_mapping=torch.tensor(slots, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_reference(cpu_kernels, dtype: torch.dtype) -> None:
     from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
 
@@ -124,6 +214,14 @@ def test_bad_arguments_raise(cpu_kernels) -> None:
                                                  x[:, :63])),
         ("x", lambda: cpu_kernels.silu_and_mul(x[:, :63])),
         ("x", lambda: cpu_kernels.silu_and_mul(x.t())),
+        ("weight", lambda: cpu_kernels.rms_norm(x.bfloat16(), w, 1e-6, None)),
+        ("residual", lambda: cpu_kernels.rms_norm(x.half(), w.half(), 1e-6, x)),
+        ("sin", lambda: cpu_kernels.rotary(x.view(4, 2, 32).bfloat16(), x[:, :32].bfloat16(),
+                                           x[:, :32])),
+        ("x", lambda: cpu_kernels.silu_and_mul(x.to(torch.int32))),
+        ("logits", lambda: cpu_kernels.greedy_logprobs(x.double())),
+        ("logits", lambda: cpu_kernels.greedy_logprobs(x[0])),
+        ("logits", lambda: cpu_kernels.greedy_logprobs(x.t())),
     ]
     for name, call in bad:
         with pytest.raises(RuntimeError, match=rf"\b{name}\b"):
@@ -142,6 +240,6 @@ def test_backend_registers_the_fused_ops(cpu_kernels, attention: str | None, fus
     backend.check_and_update_config(config)
     table = Ops()
     backend.register_ops(table)
-    names = [n for n in ("rms_norm", "rotary", "silu_and_mul")
-             if getattr(table, n) is not getattr(reference, n)]
-    assert names == (["rms_norm", "rotary", "silu_and_mul"] if fused else [])
+    fused_names = ["rms_norm", "rotary", "silu_and_mul", "greedy_logprobs"]
+    names = [n for n in fused_names if getattr(table, n) is not getattr(reference, n)]
+    assert names == (fused_names if fused else [])

@@ -93,6 +93,19 @@ def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
     assert graphs == eager
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_one_sequence_gemv_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
+    """Batch 1 (where the decode linears run the csrc/ GEMV on sm_90+; Qwen2 for the qkv bias):
+    CUDA graphs, with the GEMV starting before the kernel ahead of it has finished, give the
+    tokens of eager steps."""
+    path = kernel_checkpoint(checkpoint_factory, "qwen2", num_hidden_layers=3)
+    ps = [prompts()[5]]
+    _, eager = run(path, 48, ps, dtype=dtype, enforce_eager=True)
+    facts, graphs = run(path, 48, ps, dtype=dtype)
+    assert facts["graphs"]
+    assert graphs == eager
+
+
 @pytest.mark.parametrize("mode", ["plain", "prefix_caching", "chunked_prefill"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fused_rotary_cache_write_matches_separate_ops(checkpoint_factory, monkeypatch,
@@ -125,6 +138,32 @@ def test_long_contexts_and_steps_ahead_match_eager(checkpoint_factory) -> None:
     assert graphs == eager
     _, waiting = run(path, 30, ps, disable_async_output_proc=True, **kw)
     assert waiting == graphs
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_programmatic_launch_matches_plain_launches(checkpoint_factory, enforce_eager: bool) -> None:
+    """With programmatic dependent launch (sm_90+) a kernel starts while the one before it
+    finishes and waits for it inside (pl_wait_prior_grids): eager and in CUDA graphs, over one
+    and several decode partitions, the tokens must be those of plain launches."""
+    from pagedllm.backends.cuda import ops
+
+    kernels = ops.load_kernels()
+    if not kernels.configure_programmatic_launch(True):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU and CUDA")
+    path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=3,
+                             max_position_embeddings=1024)
+    rng = random.Random(3)
+    ps = prompts() + [[rng.randint(3, 258) for _ in range(n)] for n in (600, 300)]
+    kw = dict(dtype="bfloat16", max_num_seqs=16, enforce_eager=enforce_eager,
+              enable_prefix_caching=True)
+    try:
+        _, programmatic = run(path, 40, ps, **kw)
+        assert kernels.programmatic_launch_enabled()
+        kernels.configure_programmatic_launch(False)
+        _, plain = run(path, 40, ps, **kw)
+    finally:
+        ops._configure_launch(kernels)
+    assert programmatic == plain
 
 
 def test_unsupported_head_size_falls_back_to_torch_attention(checkpoint_factory) -> None:

@@ -16,9 +16,10 @@ from pagedllm.backends.cpu import kernels as cpu_kernels_module
 
 def test_a_library_in_the_build_dir_loads_without_a_build(cpu_kernels, tmp_path: Path) -> None:
     src = kernel_build.csrc_dir()
-    sources = [str(src / "cpu" / n) for n in cpu_kernels_module.SOURCES]
+    files, _ = cpu_kernels_module.LIBRARIES["pagedllm_cpu"]
+    sources = [str(src / "cpu" / n) for n in files]
     built = kernel_build.build_directory(sources, "cpu",
-                                         {"cxx": cpu_kernels_module.compile_flags()})
+                                         {"cxx": cpu_kernels_module.compile_flags("pagedllm_cpu")})
     copy = tmp_path / "build"
     shutil.copytree(built, copy)  # fresh timestamps, as on a machine the cache was copied to
     script = textwrap.dedent(f"""
@@ -29,7 +30,7 @@ def test_a_library_in_the_build_dir_loads_without_a_build(cpu_kernels, tmp_path:
         from pathlib import Path
         from pagedllm.backends.kernel_build import jit_load
         assert jit_load("pagedllm_cpu", [], Path({str(copy)!r}), is_python_module=False) is None
-        print(hasattr(torch.ops.pagedllm_cpu, "rms_norm"))
+        print(hasattr(torch.ops.pagedllm_cpu, "paged_attention_decode"))
     """)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120)

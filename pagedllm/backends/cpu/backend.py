@@ -1,5 +1,5 @@
 """The cpu backend: torch (oneDNN for linears) plus C++ kernels (csrc/cpu: decode attention, cache
-writes, fused float32 layer ops), KV cache sized in GiB."""
+writes, fused float32/bf16/fp16 layer ops, the greedy sampler), KV cache sized in GiB."""
 from __future__ import annotations
 
 import logging
@@ -58,8 +58,8 @@ class CpuBackend(Backend):
 
     def register_ops(self, ops: Ops) -> None:
         """oneDNN linears with pre-packed weights (ops.py); rms_norm, rotary and silu_and_mul on
-        the csrc/cpu layer kernels for float32 (layer_ops.py) where the cpu kernels load, unless
-        attention_backend="torch"."""
+        the csrc/cpu layer kernels (float32, bfloat16, float16) and greedy_logprobs on the csrc/cpu
+        sampler (layer_ops.py) where the cpu kernels load, unless attention_backend="torch"."""
         from pagedllm.backends.cpu import ops as cpu_ops
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)

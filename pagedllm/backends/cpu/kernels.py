@@ -1,10 +1,15 @@
 """The cpu backend's C++ kernels (csrc/cpu/), built on first use with the host C++ compiler.
 
-``load_cpu_kernels()`` compiles csrc/cpu/*.cpp with torch.utils.cpp_extension.load (~20 s, once)
-into the shared kernel cache (pagedllm/backends/kernel_build.py: $PAGEDLLM_CACHE_DIR, default
-~/.cache/pagedllm/kernels/<hash of torch version, sources and flags>); later processes load the
-cached library. The ops register with torch's dispatcher as ``torch.ops.pagedllm_cpu.*``, and
-that namespace is what ``load_cpu_kernels()`` returns.
+``load_cpu_kernels()`` compiles csrc/cpu/*.cpp with torch.utils.cpp_extension.load (~15 s per
+library, once) into the shared kernel cache (pagedllm/backends/kernel_build.py:
+$PAGEDLLM_CACHE_DIR, default ~/.cache/pagedllm/kernels/<hash of torch version, sources and
+flags>); later processes load the cached libraries. Two libraries, each built for its own ISA
+(``LIBRARIES``): the decode attention (paged_attention_cpu.cpp) is written for AVX2, the layer
+ops and the greedy sampler (layer_ops_cpu.cpp, sampling_cpu.cpp) follow torch's own CPU kernels
+(AVX-512 where torch runs AVX-512), so that their vectorized exp and log are torch's and bf16/fp16
+convert 16 lanes at a time. Both register
+with torch's dispatcher as ``torch.ops.pagedllm_cpu.*``, and that namespace is what
+``load_cpu_kernels()`` returns.
 
 A build that fails (no compiler, no ninja, ...) is not retried in the same process: every later
 call raises the same RuntimeError at once. ``PAGEDLLM_CPU_KERNELS=0`` turns the kernels off (then
@@ -23,7 +28,16 @@ from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGEDLLM_CPU_KERNELS"
-SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+# library name -> (its csrc/cpu sources, the ISA it is built for: "avx2", or "torch" for the one
+# torch's CPU kernels run here)
+LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
+    "pagedllm_cpu": (("paged_attention_cpu.cpp",), "avx2"),  # defines the op namespace
+    "pagedllm_cpu_layers": (("layer_ops_cpu.cpp", "sampling_cpu.cpp"), "torch"),
+}
+SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
+_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+           "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 _lock = threading.Lock()
 _ops: Any = None
 _error: str | None = None
@@ -34,18 +48,25 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in ("0", "false", "off", "no")
 
 
-def compile_flags() -> list[str]:
-    """g++ flags: -O3 without contracting a * b + c into FMAs (layer_ops_cpu.cpp reproduces the
-    torch reference's separately rounded products); -fopenmp where torch's thread pool is OpenMP (at::parallel_for is header
-    code whose pragmas do nothing without it; the library then runs on torch's libgomp); AVX2 code
-    for at::vec::Vectorized when this CPU runs torch's AVX2 (or AVX-512) kernels."""
+def compile_flags(library: str = "pagedllm_cpu") -> list[str]:
+    """g++ flags of ``library`` (a key of LIBRARIES): -O3 without contracting a * b + c into FMAs
+    (layer_ops_cpu.cpp reproduces the torch reference's separately rounded products); -fopenmp
+    where torch's thread pool is OpenMP (at::parallel_for is header code whose pragmas do nothing
+    without it; the library then runs on torch's libgomp); at::vec::Vectorized code for AVX2 when
+    this CPU runs torch's AVX2 (or AVX-512) kernels, or for AVX-512 where the library follows
+    torch's ISA and torch runs AVX-512."""
     import torch
 
+    if library not in LIBRARIES:
+        raise ValueError(f"unknown cpu kernel library {library!r}; known: {', '.join(LIBRARIES)}")
     flags = ["-O3", "-ffp-contract=off"]  # no fused multiply-adds the torch reference lacks
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():
         flags.append("-fopenmp")
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512" and LIBRARIES[library][1] == "torch":
+        flags += _AVX512
+    elif capability in ("AVX2", "AVX512"):
+        flags += _AVX2
     return flags
 
 
@@ -56,14 +77,14 @@ def _build() -> Any:
     if src is None:
         raise RuntimeError("the csrc/cpu kernel sources were not found next to the package; "
                            "reinstall pagedllm with its csrc package data")
-    sources = [str(src / "cpu" / name) for name in SOURCES]
-    flags = compile_flags()
-    build_dir = build_directory(sources, "cpu", {"cxx": flags})
-    logger.info("loading the pagedllm cpu kernels from %s (the first use builds them, ~20 s)",
-                build_dir)
-    jit_load("pagedllm_cpu", sources, build_dir, is_python_module=False, extra_cflags=flags,
-             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-             verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
+    for name, (files, _) in LIBRARIES.items():
+        sources = [str(src / "cpu" / f) for f in files]
+        flags = compile_flags(name)
+        build_dir = build_directory(sources, "cpu", {"cxx": flags})
+        logger.info("loading %s from %s (the first use builds it, ~15 s)", name, build_dir)
+        jit_load(name, sources, build_dir, is_python_module=False, extra_cflags=flags,
+                 extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+                 verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
     return torch.ops.pagedllm_cpu
 
 

@@ -1,11 +1,16 @@
-"""The model ops rms_norm / rotary / silu_and_mul (models/layers/ops.py) on the csrc/cpu layer
-kernels (layer_ops_cpu.cpp): one pass each for float32 2-D/3-D inputs, the torch reference for
-anything else (bfloat16/float16 models keep the reference's float32 upcasts).
+"""The model ops rms_norm / rotary / silu_and_mul / greedy_logprobs (models/layers/ops.py) on the
+csrc/cpu kernels (layer_ops_cpu.cpp, sampling_cpu.cpp): one pass each for 2-D/3-D inputs whose
+tensors all have one dtype among float32, bfloat16 and float16 (greedy_logprobs: float32 logits,
+as the model runner hands them); the torch reference for anything else (mixed dtypes, other
+ranks).
 
-rotary is bit-identical to the reference, and so is silu_and_mul where torch runs its AVX2 CPU
-kernels (the ISA these are built for; torch's AVX-512 exp may round an ulp the other way);
-rms_norm sums its squares in another order than torch's mean, so a normalized value may differ in
-the last float32 bit. The kernels check their arguments (RuntimeError naming the argument).
+The kernels round every value the reference materializes in bf16/fp16 to that dtype, op by op.
+rotary is bit-identical to the reference in every dtype, and so is silu_and_mul where torch runs
+its AVX2 CPU kernels (the ISA these are built for; torch's AVX-512 exp may round an ulp the other
+way); rms_norm sums its squares in another order than torch's mean, so a normalized value may
+differ in the last bit of the dtype. greedy_logprobs is torch's argmax and log_softmax
+arithmetic (bit-identical). The kernels check their arguments (RuntimeError naming the
+argument).
 """
 from __future__ import annotations
 
@@ -16,25 +21,35 @@ import torch
 
 from pagedllm.models.layers import ops as reference
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def layer_ops(kernels: Any) -> dict[str, Callable[..., Any]]:
     """{op name: function} for ``Ops.register``; ``kernels`` is torch.ops.pagedllm_cpu."""
-    f32 = torch.float32
+    dtypes = KERNEL_DTYPES
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == f32 and weight.dtype == f32 and x.dim() == 2:
+        if (x.dtype in dtypes and weight.dtype == x.dtype and x.dim() == 2
+                and (residual is None or residual.dtype == x.dtype)):
             return kernels.rms_norm(x, weight, eps, residual)
         return reference.rms_norm(x, weight, eps, residual)
 
     def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if x.dtype == f32 and cos.dtype == f32 and sin.dtype == f32 and x.dim() == 3:
+        if x.dtype in dtypes and cos.dtype == x.dtype and sin.dtype == x.dtype and x.dim() == 3:
             return kernels.rotary(x, cos, sin)
         return reference.rotary(x, cos, sin)
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == f32 and x.dim() == 2:
+        if x.dtype in dtypes and x.dim() == 2:
             return kernels.silu_and_mul(x)
         return reference.silu_and_mul(x)
 
-    return {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
+    def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+                and logits.stride(1) == 1):
+            return kernels.greedy_logprobs(logits)
+        return reference.greedy_logprobs(logits)
+
+    return {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul,
+            "greedy_logprobs": greedy_logprobs}

@@ -2,13 +2,17 @@
 
 Decode runs csrc/cpu/paged_attention_cpu.cpp, which reads each sequence's K/V blocks in place
 through its block table instead of gathering them into a padded [B, kvH, L, D] tensor for SDPA.
-The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp); prefill stays the
-torch reference's. The kernels are built (or loaded from
-the kernel cache) when the first layer is constructed; see kernels.py.
+The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp). Prefill is the torch
+reference's, except for a batch of prompts of one length without cached context (the common
+offline case): their queries, keys and values are already [P, L] in the packed rows, so one
+causal SDPA over the new keys and values replaces the reference's padding, cache gather and mask.
+The kernels are built (or loaded from the kernel cache) when the first layer is constructed; see
+kernels.py.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.backends.cpu.attention import TorchPagedAttention
@@ -32,6 +36,23 @@ class CpuNativePagedAttention(TorchPagedAttention):
             raise ValueError(f"slot_mapping has {metadata.slot_mapping.shape[0]} entries for "
                              f"{key.shape[0]} tokens")
         self._ops.write_kv(key, value, kv_cache, metadata.slot_mapping)
+
+    def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The reference's prefill; for P prompts of one length L and no cached context, causal
+        SDPA on the packed rows viewed as [P, heads, L, head_size] (the same masked softmax)."""
+        lens = metadata.prefill_query_lens_list
+        if any(metadata.prefill_context_lens_list) or len(set(lens)) != 1:
+            return super().prefill(query, kv_cache, metadata, key, value)
+        p, length = len(lens), lens[0]
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [P * L, h, D] -> [P, h, L, D]
+            return x.view(p, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads_first(query), heads_first(key), heads_first(value), is_causal=True,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(p * length, self.num_heads, self.head_size)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:

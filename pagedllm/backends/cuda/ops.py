@@ -84,7 +84,21 @@ def load_kernels() -> ModuleType:
                 _module = _C
             except ImportError:
                 _module = _jit_build()
+            _configure_launch(_module)
         return _module
+
+
+def _configure_launch(module: ModuleType) -> None:
+    """Programmatic dependent launch for the kernels (sm_90+; see csrc/cuda_compat.h), unless
+    PAGEDLLM_PROGRAMMATIC_LAUNCH=0. The probe runs one kernel on the current device."""
+    import torch
+
+    enable = os.environ.get("PAGEDLLM_PROGRAMMATIC_LAUNCH", "1").strip() != "0"
+    if enable and torch.cuda.is_available():
+        on = module.configure_programmatic_launch(True)
+        logger.debug("programmatic dependent launch: %s", "on" if on else "off (before sm_90)")
+    else:
+        module.configure_programmatic_launch(False)
 
 
 def kernels_available(build: bool = False) -> tuple[bool, str]:

@@ -288,6 +288,9 @@ inline float pl_shfl_xor(float value, int lane_mask, int width = WARP_SIZE) {
 // correctly rounded single operations that __fmul_rn / __fadd_rn are on the GPU.
 inline float pl_fmul_rn(float a, float b) { return a * b; }
 inline float pl_fadd_rn(float a, float b) { return a + b; }
+// Programmatic dependent launch has nothing to overlap here: launches run one after another.
+inline void pl_wait_prior_grids() {}
+inline void pl_release_dependents() {}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline cudaError_t cudaGetLastError() {
@@ -303,6 +306,15 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cud
 }
 
 namespace pagedllm {
+template <typename... KernelArgs, typename... Args>
+inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t,
+                          Args... args);
+// Dynamic shared memory is not emulated (no emulated kernel uses it).
+template <typename... KernelArgs, typename... Args>
+inline void launch_kernel_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int,
+                               cudaStream_t stream, Args... args) {
+  launch_kernel(kernel, grid, block, stream, args...);
+}
 template <typename... KernelArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t,
                           Args... args) {

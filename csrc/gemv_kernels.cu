@@ -1,0 +1,236 @@
+// Weight-streaming GEMV for one-token decode steps: out[n] = sum_k weight[n][k] * x[k] (+ bias[n]),
+// float32 accumulation, one rounding to the dtype at the end (what F.linear does through cuBLAS).
+//
+// At batch 1 a decode step is a chain of weight-bound GEMVs with small latency-bound kernels
+// between them (norm, rotary, attention, SiLU), during which the memory system idles. This kernel
+// starts streaming its weights before the previous kernel has finished: launched with
+// programmatic dependent launch (cuda_compat.h), each thread block first queues bulk copies of its
+// first kStages weight chunks into shared memory (the weights never depend on the previous
+// kernel), and only then waits for the previous kernel (pl_wait_prior_grids) and reads x.
+//
+// Work decomposition: one thread block per SM, each owning a contiguous range of whole rows (no
+// split-K, so no reduction kernel); its rows are consumed in stages of up to kMaxStageRows rows
+// (at most kStageBytes), kStages stages in flight. Thread t holds the x elements of the 16-byte
+// vectors t, t + kThreads, ... of a row in registers (KV vectors: K <= KV * kThreads * 8) and
+// accumulates their products for every row of a stage; a stage's row sums are reduced over the
+// warps through shared memory.
+//
+// Bulk copies (cp.async.bulk + mbarrier) exist on sm_90+ CUDA only; elsewhere (HIP, older GPUs,
+// and launches with GemvArgs::staged false) the same kernel reads the rows from global memory.
+#include "dtype_convert.cuh"
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / WARP_SIZE;
+constexpr int kStageBytes = 32 * 1024;
+constexpr int kStages = 5;
+constexpr int kMaxStageRows = 4;
+
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PL_GEMV_BULK_COPY 1
+PL_DEVICE uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+PL_DEVICE void barrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+}
+// Queues `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst;
+// the barrier's current phase completes when they have arrived.
+PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      : "memory");
+}
+PL_DEVICE void barrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+#endif
+
+PL_DEVICE float gemv_warp_sum(float v) {
+#pragma unroll
+  for (int off = WARP_SIZE / 2; off > 0; off /= 2) v += pl_shfl_xor(v, off);
+  return v;
+}
+
+PL_DEVICE float load_element(const pl_half* p) { return __half2float(*p); }
+PL_DEVICE float load_element(const pl_bf16* p) {
+  return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+}
+
+template <typename T, int KV>
+__global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
+  constexpr int VEC = Vec16<T>::kElems;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / WARP_SIZE;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * a.n / gridDim.x;
+  const int64_t row_end = static_cast<int64_t>(blockIdx.x + 1) * a.n / gridDim.x;
+  const int rows = static_cast<int>(row_end - row_begin);
+  const int k_vecs = a.k / VEC;
+  const int stage_rows = a.stage_rows;
+  const int num_stages = (rows + stage_rows - 1) / stage_rows;
+  const T* weight = static_cast<const T*>(a.weight) + row_begin * a.k;
+  __shared__ float partial[2][kMaxStageRows][kWarps];
+
+#if defined(PL_GEMV_BULK_COPY)
+  extern __shared__ __align__(128) unsigned char stage_buffers[];
+  __shared__ __align__(8) uint64_t arrived[kStages];
+  const bool staged = a.staged;
+  const auto issue = [&](int stage) {
+    const int n = min(stage_rows, rows - stage * stage_rows);
+    bulk_load(stage_buffers + (stage % kStages) * kStageBytes,
+              weight + static_cast<int64_t>(stage) * stage_rows * a.k,
+              static_cast<uint32_t>(n * a.k * sizeof(T)), &arrived[stage % kStages]);
+  };
+  if (staged) {
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) barrier_init(&arrived[s]);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      for (int s = 0; s < kStages && s < num_stages; ++s) issue(s);
+    }
+    __syncthreads();
+  }
+#endif
+  // Everything above touches only the weights; x, bias and out may belong to earlier kernels.
+  pl_wait_prior_grids();
+  pl_release_dependents();
+
+  float xr[KV][VEC];
+  const T* x = static_cast<const T*>(a.x);
+#pragma unroll
+  for (int j = 0; j < KV; ++j) {
+    const int v = tid + j * kThreads;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (v < k_vecs) raw = *reinterpret_cast<const uint4*>(x + v * VEC);
+    vec16_to_float<T>(raw, xr[j]);
+  }
+
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+#pragma unroll 1
+  for (int stage = 0; stage < num_stages; ++stage) {
+    const int r0 = stage * stage_rows;
+    const int nr = min(stage_rows, rows - r0);
+    const T* src = weight + static_cast<int64_t>(r0) * a.k;
+#if defined(PL_GEMV_BULK_COPY)
+    if (staged) {
+      barrier_wait(&arrived[stage % kStages], (stage / kStages) & 1);
+      src = reinterpret_cast<const T*>(stage_buffers + (stage % kStages) * kStageBytes);
+    }
+#endif
+    float acc[kMaxStageRows];
+#pragma unroll
+    for (int r = 0; r < kMaxStageRows; ++r) {
+      acc[r] = 0.f;
+      if (r < nr) {
+#pragma unroll
+        for (int j = 0; j < KV; ++j) {
+          const int v = tid + j * kThreads;
+          if (v < k_vecs) {
+            float w[VEC];
+            vec16_to_float<T>(*reinterpret_cast<const uint4*>(src + r * a.k + v * VEC), w);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[r] += w[e] * xr[j][e];
+          }
+        }
+      }
+      acc[r] = gemv_warp_sum(acc[r]);
+      if (tid % WARP_SIZE == 0) partial[stage & 1][r][warp] = acc[r];
+    }
+    __syncthreads();  // the stage's buffer is read and its partial sums are written
+#if defined(PL_GEMV_BULK_COPY)
+    if (staged && tid == 0 && stage + kStages < num_stages) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(stage + kStages);
+    }
+#endif
+    if (tid < nr) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += partial[stage & 1][tid][w];
+      if (bias != nullptr) sum += load_element(bias + row_begin + r0 + tid);
+      store_from_float(out + row_begin + r0 + tid, sum);
+    }
+  }
+}
+
+template <typename T, int KV>
+void gemv_for(const GemvArgs& a, int blocks, cudaStream_t stream) {
+  const int smem = a.staged ? kStages * kStageBytes : 0;
+#if !defined(USE_ROCM)
+  if (a.staged) {
+    static const cudaError_t attribute = cudaFuncSetAttribute(
+        gemv_kernel<T, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (attribute != cudaSuccess) return;
+  }
+#endif
+  launch_kernel_smem(gemv_kernel<T, KV>, dim3(blocks), dim3(kThreads), smem, stream, a);
+}
+
+template <typename T>
+void gemv_dispatch(const GemvArgs& a, int kv, int blocks, cudaStream_t stream) {
+  switch (kv) {
+    case 1: gemv_for<T, 1>(a, blocks, stream); break;
+    case 2: gemv_for<T, 2>(a, blocks, stream); break;
+    case 3: gemv_for<T, 3>(a, blocks, stream); break;
+    case 4: gemv_for<T, 4>(a, blocks, stream); break;
+    case 5: gemv_for<T, 5>(a, blocks, stream); break;
+    case 6: gemv_for<T, 6>(a, blocks, stream); break;
+    case 7: gemv_for<T, 7>(a, blocks, stream); break;
+    default: gemv_for<T, 8>(a, blocks, stream); break;
+  }
+}
+
+int multiprocessors() {
+  int device = 0;
+  int count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return count;
+}
+
+// Whole rows per stage: as many as fit kStageBytes, at most kMaxStageRows.
+int gemv_stage_rows(int k) {
+  const int rows = kStageBytes / (k * 2);
+  return rows < 1 ? 1 : (rows > kMaxStageRows ? kMaxStageRows : rows);
+}
+
+}  // namespace
+
+cudaError_t launch_gemv(GemvArgs a, cudaStream_t stream) {
+  if (a.n == 0) return cudaSuccess;
+  if (a.n < 0 || !gemv_supports_k(a.k) || a.dtype == ScalarType::kFloat32) {
+    return cudaErrorInvalidValue;
+  }
+  const int sms = multiprocessors();
+  if (sms <= 0) return cudaErrorInvalidValue;
+  a.stage_rows = gemv_stage_rows(a.k);
+  a.staged = a.staged && kernel_arch() >= 900;
+  const int blocks = static_cast<int>(a.n < sms ? a.n : sms);
+  const int kv = (a.k / 8 + kThreads - 1) / kThreads;
+  if (a.dtype == ScalarType::kFloat16) {
+    gemv_dispatch<pl_half>(a, kv, blocks, stream);
+  } else {
+    gemv_dispatch<pl_bf16>(a, kv, blocks, stream);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace pagedllm
