@@ -30,6 +30,9 @@
   #define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
   #define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
   #define cudaMemcpyDefault hipMemcpyDefault
+  #define cudaGetDevice hipGetDevice
+  #define cudaDeviceGetAttribute hipDeviceGetAttribute
+  #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #elif !defined(PAGEDLLM_SIMT_EMU)
   #include <cuda_runtime_api.h>
 #endif

@@ -10,6 +10,7 @@ namespace {
 std::atomic<bool> g_programmatic_launch{false};
 std::atomic<int> g_kernel_arch{0};
 
+#if !defined(USE_ROCM)
 // Writes the architecture of the device code that runs (0 where it is not CUDA).
 __global__ void device_arch_kernel(int* arch) {
 #if defined(__CUDA_ARCH__)
@@ -18,6 +19,7 @@ __global__ void device_arch_kernel(int* arch) {
   *arch = 0;
 #endif
 }
+#endif
 
 }  // namespace
 

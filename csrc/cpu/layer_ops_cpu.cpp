@@ -18,8 +18,11 @@
 // squares in another order than torch's reduction, so its mean may differ in the last float32
 // bit; everything after it (rsqrt, the products, the roundings) is the reference's arithmetic.
 //
-// Registered as torch.ops.pagedllm_cpu.{rms_norm, rotary, silu_and_mul, write_kv} (a fragment of
-// the library paged_attention_cpu.cpp defines).
+// rotary_and_cache is the rotary op in place on a qkv projection's q and k heads plus the cache
+// write of k and v, in one pass (the cpu attention's forward_rotary).
+//
+// Registered as torch.ops.pagedllm_cpu.{rms_norm, rotary, silu_and_mul, write_kv,
+// rotary_and_cache} (a fragment of the library paged_attention_cpu.cpp defines).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -208,10 +211,42 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 // rotary
 // ---------------------------------------------------------------------------------------------
 
+// One head of d values: o = x * c + rotate_half(x) * s (o may be x: every value of a step is
+// loaded before any is stored).
+template <typename T>
+inline void rotate_head(const T* xr, const T* c, const T* s, int64_t d, T* o) {
+  const int64_t half = d / 2;
+  int64_t i = 0;
+  for (; i + kStep <= half; i += kStep) {
+    VecF x1a, x1b, x2a, x2b, c1a, c1b, c2a, c2b, s1a, s1b, s2a, s2b;
+    load2(xr + i, x1a, x1b);
+    load2(xr + i + half, x2a, x2b);
+    load2(c + i, c1a, c1b);
+    load2(c + i + half, c2a, c2b);
+    load2(s + i, s1a, s1b);
+    load2(s + i + half, s2a, s2b);
+    VecF p1a = x1a * c1a, p1b = x1b * c1b, q1a = x2a.neg() * s1a, q1b = x2b.neg() * s1b;
+    VecF p2a = x2a * c2a, p2b = x2b * c2b, q2a = x1a * s2a, q2b = x1b * s2b;
+    round2<T>(p1a, p1b);
+    round2<T>(q1a, q1b);
+    round2<T>(p2a, p2b);
+    round2<T>(q2a, q2b);
+    store2(o + i, p1a + q1a, p1b + q1b);
+    store2(o + i + half, p2a + q2a, p2b + q2b);
+  }
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
+    o[i] = static_cast<T>(round1<T>(x1 * static_cast<float>(c[i])) +
+                          round1<T>((-x2) * static_cast<float>(s[i])));
+    o[i + half] = static_cast<T>(round1<T>(x2 * static_cast<float>(c[i + half])) +
+                                 round1<T>(x1 * static_cast<float>(s[i + half])));
+  }
+}
+
 template <typename T>
 void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  at::Tensor& out) {
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   const T* xp = x.const_data_ptr<T>();
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = sin.const_data_ptr<T>();
@@ -219,36 +254,8 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
   at::parallel_for(0, tokens, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cp + t * cs;
-      const T* s = sp + t * ss;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = xp + t * xs0 + h * xs1;
-        T* o = op + (t * heads + h) * d;
-        int64_t i = 0;
-        for (; i + kStep <= half; i += kStep) {
-          VecF x1a, x1b, x2a, x2b, c1a, c1b, c2a, c2b, s1a, s1b, s2a, s2b;
-          load2(xr + i, x1a, x1b);
-          load2(xr + i + half, x2a, x2b);
-          load2(c + i, c1a, c1b);
-          load2(c + i + half, c2a, c2b);
-          load2(s + i, s1a, s1b);
-          load2(s + i + half, s2a, s2b);
-          VecF p1a = x1a * c1a, p1b = x1b * c1b, q1a = x2a.neg() * s1a, q1b = x2b.neg() * s1b;
-          VecF p2a = x2a * c2a, p2b = x2b * c2b, q2a = x1a * s2a, q2b = x1b * s2b;
-          round2<T>(p1a, p1b);
-          round2<T>(q1a, q1b);
-          round2<T>(p2a, p2b);
-          round2<T>(q2a, q2b);
-          store2(o + i, p1a + q1a, p1b + q1b);
-          store2(o + i + half, p2a + q2a, p2b + q2b);
-        }
-        for (; i < half; ++i) {
-          const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
-          o[i] = static_cast<T>(round1<T>(x1 * static_cast<float>(c[i])) +
-                                round1<T>((-x2) * static_cast<float>(s[i])));
-          o[i + half] = static_cast<T>(round1<T>(x2 * static_cast<float>(c[i + half])) +
-                                       round1<T>(x1 * static_cast<float>(s[i + half])));
-        }
+        rotate_head(xp + t * xs0 + h * xs1, cp + t * cs, sp + t * ss, d, op + (t * heads + h) * d);
       }
     }
   });
@@ -329,15 +336,54 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   }
   return out;
 }
+// ---------------------------------------------------------------------------------------------
+// cache writes
+// ---------------------------------------------------------------------------------------------
+
+void check_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous CPU [2, num_blocks, block_size, num_kv_heads, "
+              "head_size], got shape ", kv_cache.sizes(), " strides ", kv_cache.strides());
+}
+
+// slot_mapping as a contiguous int64 [tokens], every entry checked to be < the cache's slots
+// (negative entries are padding, skipped by the writers).
+at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t tokens,
+                         const at::Tensor& kv_cache) {
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
+              "slot_mapping must be a CPU int64 [num_tokens=", tokens, "], got ",
+              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] < num_slots, "slot_mapping[", t, "]=", sp[t],
+                " is outside the cache's slots [0, ", num_slots, ")");
+  }
+  return slots;
+}
+
+// Token t's `heads` rows of `row_bytes` each (src + h * head_bytes) into slot `slot` of the K
+// (half 0) or V (half 1) cache.
+inline void copy_slot(at::Tensor& kv_cache, int64_t half, int64_t slot, const char* src,
+                      int64_t head_bytes) {
+  const int64_t heads = kv_cache.size(3), row_bytes = kv_cache.size(4) * kv_cache.element_size();
+  char* dst = static_cast<char*>(kv_cache.data_ptr()) +
+              (half * kv_cache.stride(0) + slot * heads * kv_cache.size(4)) *
+                  kv_cache.element_size();
+  for (int64_t h = 0; h < heads; ++h) {
+    std::memcpy(dst + h * row_bytes, src + h * head_bytes, row_bytes);
+  }
+}
+
 // key/value [num_tokens, num_kv_heads, head_size] into kv_cache [2, num_blocks, block_size,
 // num_kv_heads, head_size] at slot_mapping [num_tokens] (int64; negative = padding, skipped).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size], "
-              "got shape ", kv_cache.sizes(), " strides ", kv_cache.strides());
+  check_cache(kv_cache);
   const int64_t heads = kv_cache.size(3), d = kv_cache.size(4);
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t tokens = key.size(0);
   for (const auto* t : {&key, &value}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_cache.scalar_type(),
@@ -348,31 +394,76 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
                 "key and value must be [num_tokens, num_kv_heads=", heads, ", head_size=", d,
                 "] with a contiguous last dim, got shape ", t->sizes(), " strides ", t->strides());
   }
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
-                  slot_mapping.size(0) == tokens,
-              "slot_mapping must be int64 [num_tokens=", tokens, "], got ",
-              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
-  const auto slots = slot_mapping.contiguous();
+  const at::Tensor slots = checked_slots(slot_mapping, tokens, kv_cache);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(sp[t] < num_slots, "slot_mapping[", t, "]=", sp[t],
-                " is outside the cache's slots [0, ", num_slots, ")");
-  }
-  const int64_t row_bytes = d * kv_cache.element_size();
-  char* base = static_cast<char*>(kv_cache.data_ptr());
-  const int64_t half_bytes = kv_cache.stride(0) * kv_cache.element_size();  // K -> V
-  const int64_t slot_bytes = heads * row_bytes;
   for (int64_t i = 0; i < 2; ++i) {
     const at::Tensor& src = i == 0 ? key : value;
     const char* s = static_cast<const char*>(src.const_data_ptr());
     const int64_t s0 = src.stride(0) * src.element_size(), s1 = src.stride(1) * src.element_size();
     for (int64_t t = 0; t < tokens; ++t) {
-      if (sp[t] < 0) continue;
-      char* dst = base + i * half_bytes + sp[t] * slot_bytes;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(dst + h * row_bytes, s + t * s0 + h * s1, row_bytes);
-      }
+      if (sp[t] >= 0) copy_slot(kv_cache, i, sp[t], s + t * s0, s1);
     }
+  }
+}
+
+template <typename T>
+void rotary_and_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor& kv_cache, const int64_t* slots, int64_t num_heads) {
+  const int64_t tokens = qkv.size(0), kv_heads = kv_cache.size(3), d = kv_cache.size(4);
+  const int64_t rotated = num_heads + kv_heads;  // q heads, then k heads
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t head_bytes = d * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, tokens, grain_rows(rotated * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * xs;
+      for (int64_t h = 0; h < rotated; ++h) {
+        rotate_head(row + h * d, cp + t * cs, sp + t * ss, d, row + h * d);
+      }
+      if (slots[t] < 0) continue;
+      copy_slot(kv_cache, 0, slots[t], reinterpret_cast<const char*>(row + num_heads * d),
+                head_bytes);
+      copy_slot(kv_cache, 1, slots[t],
+                reinterpret_cast<const char*>(row + (num_heads + kv_heads) * d), head_bytes);
+    }
+  });
+}
+
+// The rotary op on the q and k heads of qkv [num_tokens, (num_heads + 2 * num_kv_heads) *
+// head_size] (q heads, k heads, v heads), in place, then the rotated k and the v rows into
+// kv_cache at slot_mapping (as write_kv): the rotary op's bits, one pass over the projection.
+void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+  TORCH_CHECK(is_model_dtype(qkv.scalar_type()),
+              "qkv must be float32, bfloat16 or float16, got ", qkv.scalar_type());
+  const auto dtype = qkv.scalar_type();
+  check_cpu(qkv, "qkv", dtype);
+  check_cpu(cos, "cos", dtype);
+  check_cpu(sin, "sin", dtype);
+  check_cache(kv_cache);
+  TORCH_CHECK(kv_cache.scalar_type() == dtype, "kv_cache must be ", dtype,
+              " (the dtype of qkv), got ", kv_cache.scalar_type());
+  const int64_t tokens = qkv.size(0), kv_heads = kv_cache.size(3), d = kv_cache.size(4);
+  TORCH_CHECK(num_heads > 0, "num_heads must be > 0, got ", num_heads);
+  TORCH_CHECK(d % 2 == 0, "kv_cache must have an even head_size, got ", d);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * kv_heads) * d,
+              "qkv must be [num_tokens, (num_heads=", num_heads, " + 2 * num_kv_heads=", kv_heads,
+              ") * head_size=", d, "], got shape ", qkv.sizes());
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == d,
+                "cos and sin must be [num_tokens=", tokens, ", head_size=", d, "], got shape ",
+                t->sizes());
+  }
+  const at::Tensor slots = checked_slots(slot_mapping, tokens, kv_cache);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  switch (dtype) {
+    case at::kBFloat16:
+      rotary_and_cache_rows<c10::BFloat16>(qkv, cos, sin, kv_cache, sp, num_heads);
+      break;
+    case at::kHalf: rotary_and_cache_rows<c10::Half>(qkv, cos, sin, kv_cache, sp, num_heads); break;
+    default: rotary_and_cache_rows<float>(qkv, cos, sin, kv_cache, sp, num_heads); break;
   }
 }
 
@@ -383,6 +474,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
+        "Tensor slot_mapping, int num_heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
@@ -390,4 +483,5 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("write_kv", &write_kv);
+  m.impl("rotary_and_cache", &rotary_and_cache);
 }
