@@ -7,6 +7,7 @@ cpu kernels cannot be built (the cpu_kernels fixture in tests/conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -199,6 +200,45 @@ def test_write_kv_matches_reference(cpu_kernels, dtype: torch.dtype) -> None:
         native.write_kv(key, value, caches[1], _metadata([5, -1, 0, 24, 12, -1]))  # 24 slots
     with pytest.raises(ValueError, match="slot_mapping"):
         native.write_kv(key, value, caches[1], _metadata([5, -1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_rotary_matches_rotary_then_write_kv(cpu_kernels, dtype: torch.dtype) -> None:
+    """The native attention's forward_rotary (rotary_and_cache: q and k rotated in place in qkv,
+    k and v into the cache) against the template's rotary op + write_kv + attend: the same
+    attention output and cache bits, padding slots untouched."""
+    from pagedllm.backends.attention import AttentionImpl
+    from pagedllm.backends.cpu.layer_ops import layer_ops
+    from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
+
+    heads, kv_heads, d = 4, 2, 16
+    slots = [5, -1, 0, 23, 12, -1]
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    angles = torch.rand(len(slots), d // 2, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    rotary = layer_ops(cpu_kernels)["rotary"]
+    meta = _metadata(slots)
+    outs, caches = [], []
+    for fused in (False, True):
+        impl = CpuNativePagedAttention(heads, d, kv_heads, 0.25)
+        cache = torch.full((2, 6, 4, kv_heads, d), float("nan"), dtype=dtype)
+        forward = impl.forward_rotary if fused else partial(AttentionImpl.forward_rotary, impl)
+        caches.append(cache)
+        outs.append(forward(qkv.clone(), cos, sin, rotary, cache, meta))
+    assert _same_bits(outs[0], outs[1])
+    assert torch.equal(caches[0].isnan(), caches[1].isnan())
+    assert _same_bits(caches[0].nan_to_num(), caches[1].nan_to_num())
+    bad = qkv.clone()
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        cpu_kernels.rotary_and_cache(bad, cos, sin, caches[1],
+                                     torch.tensor([5, -1, 0, 24, 12, -1]), heads)
+    with pytest.raises(RuntimeError, match="qkv"):
+        cpu_kernels.rotary_and_cache(bad[:, :-d], cos, sin, caches[1], meta.slot_mapping, heads)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        cpu_kernels.rotary_and_cache(bad, cos, sin, caches[1].float() if dtype != torch.float32
+                                     else caches[1].double(), meta.slot_mapping, heads)
 
 
 def test_bad_arguments_raise(cpu_kernels) -> None:

@@ -110,6 +110,60 @@ def test_decode_float16_and_other_head_sizes(cpu_kernels, head_size: int) -> Non
     assert_close(run_kernel(cpu_kernels, case), reference(case), torch.float16)
 
 
+def _prefill_metadata(query_lens: list[int], context_lens: list[int], block_size: int):
+    """The model runner's metadata for one prefill step: sequence i has context_lens[i] cached
+    tokens and query_lens[i] new ones, in blocks of its own."""
+    from pagedllm.core.batch import ScheduledSeq
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker.model_runner import build_metadata
+
+    seqs, next_block = [], 0
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        blocks = math.ceil((q + c) / block_size)
+        seqs.append(ScheduledSeq(seq_id=i, token_ids=[1] * q, start_pos=c,
+                                 block_table=list(range(next_block, next_block + blocks)),
+                                 sampling_params=SamplingParams(), num_samples=1,
+                                 prompt_len=q + c))
+        next_block += blocks
+    return build_metadata(seqs, block_size, torch.device("cpu"))[2], next_block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("query_lens,context_lens", [([32] * 5, [0] * 5), ([7, 7], [0, 0]),
+                                                     ([5, 9, 3], [0, 0, 0]), ([6, 6], [0, 10])])
+def test_prefill_matches_the_reference_bit_for_bit(cpu_kernels, query_lens: list[int],
+                                                   context_lens: list[int],
+                                                   dtype: torch.dtype) -> None:
+    """Prompts of one length without cached context take one causal SDPA over the packed rows
+    (strided views of a qkv projection, as in the model); other batches (lengths differ, or
+    cached context) the reference's path, bit for bit. The fast path gives the reference's bits
+    where the prompt length is a multiple of the block size (the reference's keys, padded to
+    whole blocks, are then the same L); otherwise SDPA's blocking over the padded keys rounds
+    differently, within float rounding."""
+    from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
+
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    meta, num_blocks = _prefill_metadata(query_lens, context_lens, bs)
+    gen = torch.Generator().manual_seed(sum(query_lens) + sum(context_lens))
+    t = sum(query_lens)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d: (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=gen).to(dtype)  # the context
+    ref = TorchPagedAttention(heads, d, kv_heads, d ** -0.5)
+    ref.write_kv(k, v, cache, meta)
+    want = ref.prefill(q, cache, meta, k, v)
+    got = CpuNativePagedAttention(heads, d, kv_heads, d ** -0.5).prefill(q, cache, meta, k, v)
+    assert got.shape == want.shape == (t, heads, d)
+    fast = len(set(query_lens)) == 1 and not any(context_lens)
+    if not fast or query_lens[0] % bs == 0:
+        assert torch.equal(got, want)
+    else:
+        tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 def test_strided_query_and_out(cpu_kernels) -> None:
     """query as the engine passes it (a view into a wider qkv row) and out as a view too."""
     case = make_case([3, 17, 33], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,

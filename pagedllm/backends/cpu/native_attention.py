@@ -2,14 +2,19 @@
 
 Decode runs csrc/cpu/paged_attention_cpu.cpp, which reads each sequence's K/V blocks in place
 through its block table instead of gathering them into a padded [B, kvH, L, D] tensor for SDPA.
-The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp). Prefill is the torch
-reference's, except for a batch of prompts of one length without cached context (the common
-offline case): their queries, keys and values are already [P, L] in the packed rows, so one
-causal SDPA over the new keys and values replaces the reference's padding, cache gather and mask.
+The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp); ``forward_rotary``
+rotates q and k in place in the qkv projection and writes k and v into the cache in one C++
+pass (rotary_and_cache: the rotary op's bits, without its new [T, heads, D] tensor). Prefill is
+the torch reference's, except for a batch of prompts of one length without cached context (the
+common offline case): their queries, keys and values are already [P, L] in the packed rows, so
+one causal SDPA over the new keys and values replaces the reference's padding, cache gather and
+mask.
 The kernels are built (or loaded from the kernel cache) when the first layer is constructed; see
 kernels.py.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.backends.cpu.attention import TorchPagedAttention
 from pagedllm.backends.cpu.kernels import load_cpu_kernels
+from pagedllm.backends.cpu.layer_ops import KERNEL_DTYPES
 
 
 class CpuNativePagedAttention(TorchPagedAttention):
@@ -36,6 +42,25 @@ class CpuNativePagedAttention(TorchPagedAttention):
             raise ValueError(f"slot_mapping has {metadata.slot_mapping.shape[0]} entries for "
                              f"{key.shape[0]} tokens")
         self._ops.write_kv(key, value, kv_cache, metadata.slot_mapping)
+
+    def forward_rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                       kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The kernel's neox rotary (the cpu rotary op's arithmetic) in place of ``rotary`` where
+        qkv, cos, sin and the cache share one dtype; the template's path otherwise."""
+        dtype = qkv.dtype
+        if (dtype not in KERNEL_DTYPES or cos.dtype != dtype or sin.dtype != dtype
+                or kv_cache.dtype != dtype or qkv.dim() != 2 or qkv.stride(1) != 1):
+            return super().forward_rotary(qkv, cos, sin, rotary, kv_cache, metadata)
+        if metadata.slot_mapping.shape[0] != qkv.shape[0]:
+            raise ValueError(f"slot_mapping has {metadata.slot_mapping.shape[0]} entries for "
+                             f"{qkv.shape[0]} tokens")
+        self._ops.rotary_and_cache(qkv, cos, sin, kv_cache, metadata.slot_mapping,
+                                   self.num_heads)
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return self.attend(q, k, v, kv_cache, metadata)
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
