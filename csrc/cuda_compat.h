@@ -114,9 +114,9 @@ PL_DEVICE float pl_fadd_rn(float a, float b) {
 // Programmatic dependent launch (CUDA, sm_90 and newer; see launch_kernel below). Every kernel
 // calls pl_wait_prior_grids() before it touches memory that an earlier kernel of the stream writes
 // or reads (it returns once that kernel has completed and its writes are visible), and
-// pl_release_dependents() once the next kernel may be scheduled beside it. The small layer kernels
-// release first thing, so that a chain of them lets the next GEMV (gemv_kernels.cu) start
-// streaming its weights while the GEMV before them is still running; the dependents still wait,
+// pl_release_dependents() once the next kernel may be scheduled beside it (the kernels release
+// right after their wait, the configuration measured on the H200; releasing before the wait,
+// which would let a GEMV start during the GEMV before it, is untested). Dependents always wait,
 // so ordering is as with plain launches. Both are no-ops elsewhere.
 PL_DEVICE void pl_wait_prior_grids() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
