@@ -21,6 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm.backends.cuda import ops  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_kernel_check import time_graph_ms  # noqa: E402
+
 HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
 SHAPES = {"qkv": (6144, HIDDEN), "o_proj": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER)}
@@ -38,28 +41,6 @@ def copy_bandwidth() -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * src.numel() / statistics.median(times)
-
-
-def graph_us(body, repeats: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -98,7 +79,7 @@ def main() -> int:
                     if w.shape[1] == HIDDEN:  # the model's norm before qkv / gate_up / lm_head
                         a = kernels.rms_norm(a, norm_w, 1e-5, None)[0]
                     fn(a, w)
-            row[engine] = us = graph_us(body, args.repeats)
+            row[engine] = us = time_graph_ms(lambda i, body=body: body(), args.repeats, 1) * 1e3
             total[engine] += us
             tbs = nbytes / us / 1e6
             cells.append(f"{us:,.0f} ({tbs:.2f}, {100 * tbs / (copy / 1e12):.0f}%)")
