@@ -27,8 +27,7 @@ __global__ void PL_LAUNCH_BOUNDS(kCopyThreads)
                              RowAddr value_addr, RowAddr kc_addr, RowAddr vc_addr,
                              int num_kv_heads, int units_per_row, int block_size,
                              int64_t num_slots) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
   if (slot < 0 || slot >= num_slots) return;  // padding (negative) or out of range: skipped
@@ -57,8 +56,7 @@ __global__ void PL_LAUNCH_BOUNDS(kCopyThreads)
                        const int64_t* __restrict__ value_cache_ptrs,
                        const int64_t* __restrict__ block_mapping, int64_t block_stride_bytes,
                        int64_t block_units, int64_t num_blocks) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t pair = blockIdx.x;
   const int layer = blockIdx.y;
   const int64_t src = block_mapping[2 * pair];

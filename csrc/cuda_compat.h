@@ -114,10 +114,8 @@ PL_DEVICE float pl_fadd_rn(float a, float b) {
 // Programmatic dependent launch (CUDA, sm_90 and newer; see launch_kernel below). Every kernel
 // calls pl_wait_prior_grids() before it touches memory that an earlier kernel of the stream writes
 // or reads (it returns once that kernel has completed and its writes are visible), and
-// pl_release_dependents() once the next kernel may be scheduled beside it (the kernels release
-// right after their wait, the configuration measured on the H200; releasing before the wait,
-// which would let a GEMV start during the GEMV before it, is untested). Dependents always wait,
-// so ordering is as with plain launches. Both are no-ops elsewhere.
+// pl_release_dependents() once the next kernel may be scheduled beside it. Dependents always wait,
+// so ordering is as with plain launches whatever the release point. Both are no-ops elsewhere.
 PL_DEVICE void pl_wait_prior_grids() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -126,6 +124,24 @@ PL_DEVICE void pl_wait_prior_grids() {
 PL_DEVICE void pl_release_dependents() {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// The entry of every kernel but the GEMV (which queues its weight copies first, gemv_kernels.cu).
+// Releasing before waiting lets a chain of small kernels launch at once, so the GEMV after them
+// takes each SM as soon as the GEMV before them leaves it and streams its weights while they run.
+// The GEMV itself releases only after its wait, which bounds the look-ahead to one GEMV.
+// -DPL_RELEASE_BEFORE_WAIT=0 builds the other order (wait, then release) for A/B runs.
+#ifndef PL_RELEASE_BEFORE_WAIT
+#define PL_RELEASE_BEFORE_WAIT 1
+#endif
+PL_DEVICE void pl_release_and_wait() {
+#if PL_RELEASE_BEFORE_WAIT
+  pl_release_dependents();
+  pl_wait_prior_grids();
+#else
+  pl_wait_prior_grids();
+  pl_release_dependents();
 #endif
 }
 

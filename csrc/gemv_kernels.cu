@@ -25,8 +25,13 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / WARP_SIZE;
+// Stages in flight per block; -DPL_GEMV_STAGES=N for A/B runs. At 3 (96 KB) two blocks fit an SM,
+// so the next GEMV's block can start streaming beside the previous GEMV's block (cuda_compat.h).
+#ifndef PL_GEMV_STAGES
+#define PL_GEMV_STAGES 5
+#endif
 constexpr int kStageBytes = 32 * 1024;
-constexpr int kStages = 5;
+constexpr int kStages = PL_GEMV_STAGES;
 constexpr int kMaxStageRows = 4;
 
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -170,29 +175,37 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
 }
 
 template <typename T, int KV>
-void gemv_for(const GemvArgs& a, int blocks, cudaStream_t stream) {
+cudaError_t gemv_for(const GemvArgs& a, int blocks, cudaStream_t stream) {
   const int smem = a.staged ? kStages * kStageBytes : 0;
 #if !defined(USE_ROCM)
   if (a.staged) {
-    static const cudaError_t attribute = cudaFuncSetAttribute(
-        gemv_kernel<T, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (attribute != cudaSuccess) return;
+    // All of the SM's unified L1 as shared memory, so that two blocks fit where their stages do.
+    static const cudaError_t attribute = [] {
+      const cudaError_t size = cudaFuncSetAttribute(
+          gemv_kernel<T, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kStageBytes);
+      if (size != cudaSuccess) return size;
+      return cudaFuncSetAttribute(gemv_kernel<T, KV>,
+                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  static_cast<int>(cudaSharedmemCarveoutMaxShared));
+    }();
+    if (attribute != cudaSuccess) return attribute;
   }
 #endif
   launch_kernel_smem(gemv_kernel<T, KV>, dim3(blocks), dim3(kThreads), smem, stream, a);
+  return cudaGetLastError();
 }
 
 template <typename T>
-void gemv_dispatch(const GemvArgs& a, int kv, int blocks, cudaStream_t stream) {
+cudaError_t gemv_dispatch(const GemvArgs& a, int kv, int blocks, cudaStream_t stream) {
   switch (kv) {
-    case 1: gemv_for<T, 1>(a, blocks, stream); break;
-    case 2: gemv_for<T, 2>(a, blocks, stream); break;
-    case 3: gemv_for<T, 3>(a, blocks, stream); break;
-    case 4: gemv_for<T, 4>(a, blocks, stream); break;
-    case 5: gemv_for<T, 5>(a, blocks, stream); break;
-    case 6: gemv_for<T, 6>(a, blocks, stream); break;
-    case 7: gemv_for<T, 7>(a, blocks, stream); break;
-    default: gemv_for<T, 8>(a, blocks, stream); break;
+    case 1: return gemv_for<T, 1>(a, blocks, stream);
+    case 2: return gemv_for<T, 2>(a, blocks, stream);
+    case 3: return gemv_for<T, 3>(a, blocks, stream);
+    case 4: return gemv_for<T, 4>(a, blocks, stream);
+    case 5: return gemv_for<T, 5>(a, blocks, stream);
+    case 6: return gemv_for<T, 6>(a, blocks, stream);
+    case 7: return gemv_for<T, 7>(a, blocks, stream);
+    default: return gemv_for<T, 8>(a, blocks, stream);
   }
 }
 
@@ -225,12 +238,8 @@ cudaError_t launch_gemv(GemvArgs a, cudaStream_t stream) {
   a.staged = a.staged && kernel_arch() >= 900;
   const int blocks = static_cast<int>(a.n < sms ? a.n : sms);
   const int kv = (a.k / 8 + kThreads - 1) / kThreads;
-  if (a.dtype == ScalarType::kFloat16) {
-    gemv_dispatch<pl_half>(a, kv, blocks, stream);
-  } else {
-    gemv_dispatch<pl_bf16>(a, kv, blocks, stream);
-  }
-  return cudaGetLastError();
+  return a.dtype == ScalarType::kFloat16 ? gemv_dispatch<pl_half>(a, kv, blocks, stream)
+                                         : gemv_dispatch<pl_bf16>(a, kv, blocks, stream);
 }
 
 }  // namespace pagedllm

@@ -97,8 +97,7 @@ PL_DEVICE float block_sum(float value) {
 // grid = (num_tokens); one block normalizes one row, N elements per access.
 template <typename T, int N>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) rms_norm_kernel(RmsNormArgs a) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t token = blockIdx.x;
   const int units = a.hidden_size / N;
   const T* x = static_cast<const T*>(a.x) + token * a.x_stride;
@@ -168,8 +167,7 @@ PL_DEVICE void rotate_pairs(const T* x, T* out, T* copy, const T* cos, const T* 
 // grid = (num_tokens); a thread rotates N element pairs (i, i + head_size / 2) of one head.
 template <typename T, int N>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_kernel(RotaryArgs a) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t token = blockIdx.x;
   const int half = a.head_size / 2;
   const int units_per_head = half / N;
@@ -188,8 +186,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_kernel(RotaryArgs a) {
 // k head's into the key cache), or copies N elements of one v head into the value cache.
 template <typename T, int N>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheArgs a) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t token = blockIdx.x;
   const int half = a.head_size / 2;
   const int units_per_head = half / N;
@@ -229,8 +226,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) rotary_and_cache_kernel(RotaryCacheAr
 // grid = (num_tokens, ceil(intermediate_size / N / kThreads)); a thread handles N outputs.
 template <typename T, int N>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) silu_and_mul_kernel(SiluAndMulArgs a) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int64_t token = blockIdx.x;
   const int i = (static_cast<int>(blockIdx.y) * kThreads + static_cast<int>(threadIdx.x)) * N;
   if (i >= a.intermediate_size) return;

@@ -133,8 +133,7 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
 template <typename T, int HEAD_SIZE, int GQA, int WARPS>
 __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     paged_attention_kernel(const PagedAttentionArgs a, int block_shift, int q_per_kv) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   constexpr int kThreads = WARPS * WARP_SIZE;
   using L = DecodeLayout<T, HEAD_SIZE, GQA>;
   constexpr int VEC = L::kVec;
@@ -383,8 +382,7 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
 template <typename T>
 __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
     paged_attention_reduce_kernel(const PagedAttentionArgs a, int block_shift, int num_partitions) {
-  pl_wait_prior_grids();  // inputs may come from the previous kernel (cuda_compat.h)
-  pl_release_dependents();
+  pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
   const int tid = threadIdx.x;
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
