@@ -291,6 +291,7 @@ inline float pl_fadd_rn(float a, float b) { return a + b; }
 // Programmatic dependent launch has nothing to overlap here: launches run one after another.
 inline void pl_wait_prior_grids() {}
 inline void pl_release_dependents() {}
+inline void pl_release_and_wait() {}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline cudaError_t cudaGetLastError() {
