@@ -15,11 +15,6 @@
 // accumulates their products for every row of a stage; a stage's row sums are reduced over the
 // warps through shared memory.
 //
-// Prologues (GemvArgs::prologue): the rms_norm (with its residual add) or the silu_and_mul that
-// comes before a linear in the model runs on x inside this kernel, every block computing it for
-// itself (x is a few KB), with the rounding of the rms_norm / silu_and_mul kernels; a whole kernel
-// and its boundary leave the chain between two GEMVs.
-//
 // Bulk copies (cp.async.bulk + mbarrier) exist on sm_90+ CUDA only; elsewhere (HIP, older GPUs,
 // and launches with GemvArgs::staged false) the same kernel reads the rows from global memory.
 #include "dtype_convert.cuh"
@@ -82,87 +77,6 @@ PL_DEVICE float load_element(const pl_half* p) { return __half2float(*p); }
 PL_DEVICE float load_element(const pl_bf16* p) {
   return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
 }
-// Sum over the block's threads, returned to every thread (as layer_kernels.cu's block_sum sums, so
-// that the fused rms_norm computes the same inverse RMS as the rms_norm kernel).
-PL_DEVICE float gemv_block_sum(float value) {
-  __shared__ float warp_sums[kWarps];
-  __shared__ float total;
-  value = gemv_warp_sum(value);
-  const int tid = static_cast<int>(threadIdx.x);
-  if (tid % WARP_SIZE == 0) warp_sums[tid / WARP_SIZE] = value;
-  __syncthreads();
-  if (tid == 0) {
-    float sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) sum += warp_sums[w];
-    total = sum;
-  }
-  __syncthreads();
-  return total;
-}
-
-// Thread t's x vectors t, t + kThreads, ... (zeros past k) with the prologue applied; the
-// arithmetic and roundings of each step are those of the rms_norm / silu_and_mul kernels.
-template <typename T, int KV>
-PL_DEVICE void load_x(const GemvArgs& a, float (&xr)[KV][Vec16<T>::kElems]) {
-  constexpr int VEC = Vec16<T>::kElems;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int k_vecs = a.k / VEC;
-  const T* x = static_cast<const T*>(a.x);
-#pragma unroll
-  for (int j = 0; j < KV; ++j) {
-    const int v = tid + j * kThreads;
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (v < k_vecs) raw = *reinterpret_cast<const uint4*>(x + v * VEC);
-    vec16_to_float<T>(raw, xr[j]);
-  }
-  if (a.prologue == GemvPrologue::kSiluAndMul) {
-#pragma unroll
-    for (int j = 0; j < KV; ++j) {
-      const int v = tid + j * kThreads;
-      if (v >= k_vecs) continue;
-      float up[VEC];
-      vec16_to_float<T>(*reinterpret_cast<const uint4*>(x + a.k + v * VEC), up);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float g = xr[j][e];
-        xr[j][e] = round_to<T>(pl_fmul_rn(round_to<T>(g / (1.0f + expf(-g))), up[e]));
-      }
-    }
-  } else if (a.prologue == GemvPrologue::kRmsNorm) {
-    const T* residual = static_cast<const T*>(a.residual);
-    T* residual_out = blockIdx.x == 0 ? static_cast<T*>(a.residual_out) : nullptr;
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int j = 0; j < KV; ++j) {
-      const int v = tid + j * kThreads;
-      if (v >= k_vecs) continue;
-      if (residual != nullptr) {
-        float r[VEC];
-        vec16_to_float<T>(*reinterpret_cast<const uint4*>(residual + v * VEC), r);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          xr[j][e] = round_to<T>(xr[j][e] + r[e]);
-          if (residual_out != nullptr) store_from_float(residual_out + v * VEC + e, xr[j][e]);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) sum_sq += xr[j][e] * xr[j][e];
-    }
-    const float inv_rms = rsqrtf(gemv_block_sum(sum_sq) / static_cast<float>(a.k) + a.eps);
-    const T* norm_weight = static_cast<const T*>(a.norm_weight);
-#pragma unroll
-    for (int j = 0; j < KV; ++j) {
-      const int v = tid + j * kThreads;
-      if (v >= k_vecs) continue;
-      float w[VEC];
-      vec16_to_float<T>(*reinterpret_cast<const uint4*>(norm_weight + v * VEC), w);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        xr[j][e] = round_to<T>(pl_fmul_rn(w[e], round_to<T>(pl_fmul_rn(xr[j][e], inv_rms))));
-      }
-    }
-  }
-}
 
 template <typename T, int KV>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
@@ -202,7 +116,14 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   pl_release_dependents();
 
   float xr[KV][VEC];
-  load_x<T, KV>(a, xr);
+  const T* x = static_cast<const T*>(a.x);
+#pragma unroll
+  for (int j = 0; j < KV; ++j) {
+    const int v = tid + j * kThreads;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (v < k_vecs) raw = *reinterpret_cast<const uint4*>(x + v * VEC);
+    vec16_to_float<T>(raw, xr[j]);
+  }
 
   const T* bias = static_cast<const T*>(a.bias);
   T* out = static_cast<T*>(a.out);

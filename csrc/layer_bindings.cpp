@@ -164,84 +164,41 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
-// The checks and arguments the three GEMV entry points share; x is [1, x_elems] (k = weight's
-// in-features; x_elems = k, or 2 * k for silu_and_mul).
-pagedllm::GemvArgs gemv_args(const torch::Tensor& x, const torch::Tensor& weight,
-                             const c10::optional<torch::Tensor>& bias, bool staged,
-                             int64_t x_per_k, const char* op) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
+                   const c10::optional<torch::Tensor>& bias, bool staged) {
   check_cuda(x, "x", x.device());
   const ScalarType dtype = to_scalar_type(x, "x");
-  PL_CHECK(dtype != ScalarType::kFloat32, op, ": x must be float16 or bfloat16, got ",
+  PL_CHECK(dtype != ScalarType::kFloat32, "gemv: x must be float16 or bfloat16, got ",
            x.scalar_type());
-  PL_CHECK(x.dim() == 2 && x.size(0) == 1, op, ": x must be [1, in_features], got ", x.sizes());
-  PL_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+  PL_CHECK(x.dim() == 2 && x.size(0) == 1, "gemv: x must be [1, in_features], got ", x.sizes());
+  PL_CHECK(x.is_contiguous(), "gemv: x must be contiguous");
   check_layer_operand(weight, "weight", x);
-  PL_CHECK(weight.dim() == 2 && weight.size(1) * x_per_k == x.size(1), op, ": weight must be [",
-           "out_features, ", x.size(1) / x_per_k, "] for x of ", x.size(1), " elements, got ",
-           weight.sizes());
-  PL_CHECK(weight.is_contiguous(), op, ": weight must be contiguous");
-  PL_CHECK(pagedllm::gemv_supports_k(weight.size(1)), op, ": in_features must be a multiple of 8 ",
-           "in [8, ", pagedllm::kGemvMaxK, "], got ", weight.size(1));
+  PL_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
+           "gemv: weight must be [out_features, ", x.size(1), "], got ", weight.sizes());
+  PL_CHECK(weight.is_contiguous(), "gemv: weight must be contiguous");
+  PL_CHECK(pagedllm::gemv_supports_k(x.size(1)), "gemv: in_features must be a multiple of 8 in "
+           "[8, ", pagedllm::kGemvMaxK, "], got ", x.size(1));
   check_aligned16(x, "x");
   check_aligned16(weight, "weight");
+  const int64_t n = weight.size(0);
+  torch::Tensor out = torch::empty({1, n}, x.options());
   pagedllm::GemvArgs a{};
   if (bias.has_value()) {
     check_layer_operand(*bias, "bias", x);
-    check_shape(*bias, "bias", {weight.size(0)});
+    check_shape(*bias, "bias", {n});
     a.bias = bias->data_ptr();
   }
   a.dtype = dtype;
+  a.out = out.data_ptr();
   a.x = x.data_ptr();
   a.weight = weight.data_ptr();
-  a.n = weight.size(0);
-  a.k = static_cast<int>(weight.size(1));
+  a.n = n;
+  a.k = static_cast<int>(x.size(1));
   a.staged = staged;
-  return a;
-}
 
-torch::Tensor run_gemv(pagedllm::GemvArgs a, const torch::Tensor& x, const char* op) {
-  torch::Tensor out = torch::empty({1, a.n}, x.options());
-  a.out = out.data_ptr();
   const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(pagedllm::launch_gemv(a, current_stream(x)), op);
+  check_launch(pagedllm::launch_gemv(a, current_stream(x)), "gemv");
   return out;
-}
-
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
-                   const c10::optional<torch::Tensor>& bias, bool staged) {
-  return run_gemv(gemv_args(x, weight, bias, staged, 1, "gemv"), x, "gemv");
-}
-
-std::tuple<torch::Tensor, torch::Tensor> gemv_rms_norm(
-    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-    const torch::Tensor& norm_weight, double eps, const torch::Tensor& weight,
-    const c10::optional<torch::Tensor>& bias, bool staged) {
-  pagedllm::GemvArgs a = gemv_args(x, weight, bias, staged, 1, "gemv_rms_norm");
-  check_layer_operand(norm_weight, "norm_weight", x);
-  check_shape(norm_weight, "norm_weight", {x.size(1)});
-  check_aligned16(norm_weight, "norm_weight");
-  PL_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
-  a.prologue = pagedllm::GemvPrologue::kRmsNorm;
-  a.norm_weight = norm_weight.data_ptr();
-  a.eps = static_cast<float>(eps);
-  torch::Tensor new_residual = x;
-  if (residual.has_value()) {
-    check_layer_operand(*residual, "residual", x);
-    check_shape(*residual, "residual", x.sizes());
-    PL_CHECK(residual->is_contiguous(), "gemv_rms_norm: residual must be contiguous");
-    check_aligned16(*residual, "residual");
-    new_residual = torch::empty_like(x);
-    a.residual = residual->data_ptr();
-    a.residual_out = new_residual.data_ptr();
-  }
-  return {run_gemv(a, x, "gemv_rms_norm"), new_residual};
-}
-
-torch::Tensor gemv_silu_and_mul(const torch::Tensor& x, const torch::Tensor& weight,
-                                const c10::optional<torch::Tensor>& bias, bool staged) {
-  pagedllm::GemvArgs a = gemv_args(x, weight, bias, staged, 2, "gemv_silu_and_mul");
-  a.prologue = pagedllm::GemvPrologue::kSiluAndMul;
-  return run_gemv(a, x, "gemv_silu_and_mul");
 }
 
 }  // namespace
@@ -265,15 +222,6 @@ void register_layer_ops(pybind11::module_& m) {
   m.def("gemv", &gemv,
         "x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] for one-token decode steps (float16/bfloat16;"
         " staged: weights streamed through shared memory on sm_90+).",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true);
-  m.def("gemv_rms_norm", &gemv_rms_norm,
-        "(rms_norm(h) * norm_weight @ weight^T (+ bias), h) for one token x [1, K], h = x + "
-        "residual (or x): rms_norm and the GEMV in one kernel, rounded as the two kernels round.",
-        py::arg("x"), py::arg("residual"), py::arg("norm_weight"), py::arg("eps"),
-        py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true);
-  m.def("gemv_silu_and_mul", &gemv_silu_and_mul,
-        "silu(x[:, :K]) * x[:, K:] @ weight^T (+ bias) for one token x [1, 2K]: silu_and_mul and "
-        "the GEMV in one kernel, rounded as the two kernels round.",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true);
 }
 

@@ -38,6 +38,27 @@ PL_DEVICE void load(const T* p, float (&out)[N]) {
   }
 }
 
+// Storage bits of a float rounded to nearest even in the 16-bit type T.
+template <typename T>
+PL_DEVICE uint32_t bits16(float value);
+template <>
+PL_DEVICE uint32_t bits16<pl_half>(float value) { return __half_as_ushort(__float2half(value)); }
+template <>
+PL_DEVICE uint32_t bits16<pl_bf16>(float value) { return float_to_bf16_bits(value); }
+
+// A float rounded to nearest even in T, as a float (what a torch op storing T then reading it
+// back sees).
+template <typename T>
+PL_DEVICE float round_to(float value);
+template <>
+PL_DEVICE float round_to<float>(float value) { return value; }
+template <>
+PL_DEVICE float round_to<pl_half>(float value) { return __half2float(__float2half(value)); }
+template <>
+PL_DEVICE float round_to<pl_bf16>(float value) {
+  return pl_uint_as_float(bits16<pl_bf16>(value) << 16);
+}
+
 // Stores N floats at p, each rounded to T (same N and alignment rule as load).
 template <typename T, int N>
 PL_DEVICE void store(T* p, const float (&in)[N]) {

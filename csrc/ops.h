@@ -271,18 +271,10 @@ constexpr int kGemvMaxK = 16384;
 // In-features the GEMV takes: whole 16-byte vectors of a 16-bit dtype, at most kGemvMaxK.
 inline bool gemv_supports_k(int64_t k) { return k > 0 && k % 8 == 0 && k <= kGemvMaxK; }
 
-// What the GEMV applies to x as it reads it, so that a decode step of one token runs the layer op
-// before a linear inside the linear's kernel (one launch and one kernel boundary fewer).
-enum class GemvPrologue : int {
-  kNone = 0,
-  kRmsNorm = 1,    // x <- rms_norm(x + residual) * norm_weight, rounded as rms_norm rounds
-  kSiluAndMul = 2  // x [2k] <- silu(x[:k]) * x[k:], rounded as silu_and_mul rounds
-};
-
 struct GemvArgs {
   ScalarType dtype;               // of every tensor: float16 or bfloat16
   void* out;                      // [n], contiguous
-  const void* x;                  // [k] ([2k] for kSiluAndMul), contiguous, 16-byte aligned
+  const void* x;                  // [k], contiguous, 16-byte aligned
   const void* weight;             // [n, k], contiguous, 16-byte aligned
   const void* bias;               // [n] or nullptr
   int64_t n;
@@ -290,13 +282,6 @@ struct GemvArgs {
   bool staged;                    // stream the weights through shared memory with bulk copies
                                   // (sm_90+; ignored elsewhere)
   int stage_rows;                 // set by the launcher
-  GemvPrologue prologue;
-  // kRmsNorm only (each [k], 16-byte aligned): residual may be nullptr (h = x); with it the first
-  // thread block writes h = x + residual to residual_out, which must not alias x or residual.
-  const void* residual;
-  void* residual_out;
-  const void* norm_weight;
-  float eps;
 };
 
 // out = weight @ x (+ bias), accumulated in float32 and rounded once.

@@ -10,7 +10,7 @@ from torch import nn
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.models.layers.attention import Attention
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.layers.linear import (LayerContext, LinearBase, MergedColumnParallelLinear,
+from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
                                            QKVParallelLinear, RowParallelLinear)
 from pagedllm.models.layers.rotary import RotaryEmbedding
 from pagedllm.models.loader_utils import load_named_weights
@@ -27,12 +27,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ctx.ops.rms_norm(x, self.weight, self.eps, residual)
-
-    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       linear: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(norm(x + residual)), new residual): the norm feeding a linear, as one op."""
-        y, residual = self.ctx.ops.rms_norm_linear(x, self.weight, self.eps, residual, linear)
-        return linear.finish(y), residual
 
 
 class LlamaAttention(nn.Module):
@@ -52,9 +46,9 @@ class LlamaAttention(nn.Module):
                               head_size ** -0.5, ctx)
 
     def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                qkv: torch.Tensor, kv_cache: torch.Tensor,
+                hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        """qkv: the qkv projection [T, (num_heads + 2 * num_kv_heads) * head_size]."""
+        qkv = self.qkv_proj(hidden)  # [T, (num_heads + 2 * num_kv_heads) * head_size]
         out = self.attn.forward_rotary(qkv, cos_sin, self.ctx.ops.rotary, kv_cache, metadata)
         return self.o_proj(out)
 
@@ -70,9 +64,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx)
         self.ctx = ctx
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: the gate_up projection [T, 2 * intermediate_size] (the layer's norm feeds it)."""
-        return self.down_proj.finish(self.ctx.ops.silu_and_mul_linear(gate_up, self.down_proj))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,12 +81,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.input_layernorm.forward_linear(hidden, residual,
-                                                            self.self_attn.qkv_proj)
-        h = self.self_attn(positions, cos_sin, qkv, kv_cache, metadata)
-        gate_up, residual = self.post_attention_layernorm.forward_linear(
-            h, residual, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        h, residual = self.input_layernorm(hidden, residual)
+        h = self.self_attn(positions, cos_sin, h, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -10,9 +10,6 @@ public wrappers).
 linear: on sm_90+ GPUs a one-token input (the decode steps of batch 1) runs the csrc/ GEMV,
 which starts streaming its weights while the previous kernel finishes (gemv_kernels.cu); larger
 inputs, other GPUs, and every input when PAGEDLLM_GEMV=0 run F.linear (cuBLAS / hipBLAS).
-rms_norm_linear / silu_and_mul_linear: for those same inputs the GEMV runs the layer op on x
-itself (one kernel instead of two; PAGEDLLM_GEMV_PROLOGUE=0 keeps two); otherwise the two ops
-one after the other.
 """
 from __future__ import annotations
 
@@ -49,34 +46,14 @@ def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
             return kernels.silu_and_mul(x)
         return reference.silu_and_mul(x)
 
-    def gemv_fits(x: torch.Tensor, weight: torch.Tensor, x_per_k: int = 1) -> bool:
-        return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES
-                and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous()
-                and x.is_contiguous() and x.shape[1] == weight.shape[1] * x_per_k
-                and weight.shape[1] % 8 == 0 and weight.shape[1] <= GEMV_MAX_K
-                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
-
     def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)
-        if gemv_fits(x, weight):
+        if (x.dim() == 2 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES
+                and weight.dtype == x.dtype and weight.is_contiguous() and x.is_contiguous()
+                and x.shape[1] % 8 == 0 and x.shape[1] <= GEMV_MAX_K
+                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0):
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
-
-    def rms_norm_linear(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                        residual: torch.Tensor | None, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if (gemv_fits(x, layer.weight) and weight.dtype == x.dtype and weight.data_ptr() % 16 == 0
-                and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
-                                          and residual.shape == x.shape
-                                          and residual.data_ptr() % 16 == 0))):
-            return kernels.gemv_rms_norm(x, residual, weight, eps, layer.weight,
-                                         getattr(layer, "bias", None))
-        h, residual = rms_norm(x, weight, eps, residual)
-        return linear(h, layer), residual
-
-    def silu_and_mul_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
-        if gemv_fits(x, layer.weight, 2):
-            return kernels.gemv_silu_and_mul(x, layer.weight, getattr(layer, "bias", None))
-        return linear(silu_and_mul(x), layer)
 
     ops = {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
     # The GEMV beats cuBLAS only where it streams through bulk copies and starts early (sm_90+).
@@ -84,6 +61,4 @@ def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
     arch = getattr(kernels, "kernel_arch", lambda: 0)()
     if arch >= 900 and os.environ.get("PAGEDLLM_GEMV", "1").strip() != "0":
         ops["linear"] = linear
-        if os.environ.get("PAGEDLLM_GEMV_PROLOGUE", "1").strip() != "0":
-            ops.update(rms_norm_linear=rms_norm_linear, silu_and_mul_linear=silu_and_mul_linear)
     return ops

@@ -37,12 +37,7 @@ class LinearBase(nn.Module):
                                   requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.ctx.ops.linear(x, self))
-
-    def finish(self, y: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's product y = x W^T (+ b) (ops.linear or a fused op
-        ending in it): gathered or all-reduced over the tensor-parallel group where it shards."""
-        return y
+        return self.ctx.ops.linear(x, self)
 
     def _copy(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if param.shape != loaded.shape:
@@ -68,7 +63,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, ctx.tp.shard(out_features, "output size"), bias, ctx)
         self.gather_output = gather_output
 
-    def finish(self, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.ops.linear(x, self)
         return self.ctx.tp.all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
@@ -141,8 +137,8 @@ class RowParallelLinear(LinearBase):
         self.out_bias = (nn.Parameter(torch.empty(out_features, dtype=ctx.dtype, device=ctx.device),
                                       requires_grad=False) if bias else None)
 
-    def finish(self, y: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.tp.all_reduce(y)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.tp.all_reduce(self.ctx.ops.linear(x, self))
         return y + self.out_bias if self.out_bias is not None else y
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,

@@ -64,15 +64,9 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 
 
 class Ops:
-    """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``.
+    """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    ``rms_norm_linear`` and ``silu_and_mul_linear`` are the layer op before a linear and the
-    linear's local product together (for backends that fuse them); by default they call this
-    table's ``rms_norm`` / ``silu_and_mul`` and then its ``linear``.
-    """
-
-    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
-             "rms_norm_linear", "silu_and_mul_linear")
+    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
@@ -82,19 +76,6 @@ class Ops:
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
         self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
             greedy_logprobs
-        self.rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] = \
-            self._rms_norm_linear
-        self.silu_and_mul_linear: Callable[[torch.Tensor, Any], torch.Tensor] = \
-            self._silu_and_mul_linear
-
-    def _rms_norm_linear(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                         residual: torch.Tensor | None, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(x, weight, eps, residual)), new residual)."""
-        h, residual = self.rms_norm(x, weight, eps, residual)
-        return self.linear(h, layer), residual
-
-    def _silu_and_mul_linear(self, x: torch.Tensor, layer: Any) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(x), layer)
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:
