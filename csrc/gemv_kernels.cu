@@ -179,7 +179,8 @@ cudaError_t gemv_for(const GemvArgs& a, int blocks, cudaStream_t stream) {
   const int smem = a.staged ? kStages * kStageBytes : 0;
 #if !defined(USE_ROCM)
   if (a.staged) {
-    // All of the SM's unified L1 as shared memory, so that two blocks fit where their stages do.
+    // All of the SM's unified L1 as shared memory: the stages take most of it (and at 3 stages or
+    // fewer two blocks fit an SM).
     static const cudaError_t attribute = [] {
       const cudaError_t size = cudaFuncSetAttribute(
           gemv_kernel<T, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kStageBytes);
