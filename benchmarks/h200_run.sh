@@ -18,6 +18,10 @@
 # skips the ~90 s build when the call carries .carry/pc holding the library of an earlier build
 # (.carry/pc/<hash>/pagedllm_C.so, the hash being that of the unchanged csrc/, flags and torch):
 # bring it back once with `cp .carry/pc/*/pagedllm_C.so $OUT/` and put it under the same hash.
+# A/B of kernel build flags (e.g. PAGEDLLM_KERNEL_FLAGS=-DPL_RELEASE_BEFORE_WAIT=0): the flags are
+# part of the hash, so build each variant on the CPU machine with the same PAGEDLLM_KERNEL_FLAGS
+# (torch 2.11.0+cu130 venv, TORCH_CUDA_ARCH_LIST=9.0, PAGEDLLM_CACHE_DIR=.carry/pc), carry
+# .carry/pc, and run each stage here with the variant's PAGEDLLM_KERNEL_FLAGS set.
 set -uo pipefail
 OUT="${OUT:-h200-logs}"
 mkdir -p "$OUT"
