@@ -120,3 +120,60 @@ def test_linear_op_routes_one_token_inputs_to_the_gemv(kernels) -> None:
     x_odd = x[:, :1020].contiguous()  # K not a multiple of 8: cuBLAS
     layer_odd = SimpleNamespace(weight=w[:, :1020].contiguous(), bias=None)
     assert torch.equal(ops["linear"](x_odd, layer_odd), F.linear(x_odd, layer_odd.weight))
+
+
+# ---- the gated form: silu_and_mul of a merged gate_up projection, in the epilogue -----------
+
+# (intermediate, in_features): Llama-3-8B's gate_up cut down, uneven output splits, K up to the
+# gated limit (one gate and one up row per stage), fewer outputs than SMs.
+GATED_SHAPES = [(14336 // 4, 4096), (1000 + 3, 1024), (513, 8192), (37, 520), (5, 64)]
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "direct"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("n,k", GATED_SHAPES)
+def test_gated_gemv_equals_gemv_then_silu_and_mul(kernels, n: int, k: int, dtype: torch.dtype,
+                                                 bias: bool, staged: bool) -> None:
+    """Bit for bit what the two kernels give (the same float32 sums, rounded at the same points),
+    and within the float64 reference's tolerance of silu(gate) * up."""
+    x, w, b = _operands(2 * n, k, dtype, n * 7 + k, bias)
+    _poison_allocator(n)
+    got = kernels.gemv(x, w, b, staged, True)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert not got.isnan().any(), "NaN in the output: an output was not written"
+    two_kernels = kernels.silu_and_mul(kernels.gemv(x, w, b, staged))
+    assert torch.equal(got, two_kernels)
+    proj = w.double() @ x.double()[0] + (b.double() if b is not None else 0)
+    ref = F.silu(proj[:n]) * proj[n:]
+    torch.testing.assert_close(got.double()[0], ref, rtol=4 * torch.finfo(dtype).eps, atol=2e-2)
+
+
+def test_gated_gemv_rejects_bad_arguments(kernels) -> None:
+    x, w, _ = _operands(64, 64, torch.bfloat16, 1, False)
+    with pytest.raises(RuntimeError, match="gated weight must be"):
+        kernels.gemv(x, w[:63].contiguous(), None, True, True)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        kernels.gemv(x, w, torch.zeros(32, dtype=x.dtype, device="cuda"), True, True)
+    xk, wk, _ = _operands(4, 8200, torch.bfloat16, 2, False)
+    with pytest.raises(RuntimeError, match="gated in_features must be at most 8192"):
+        kernels.gemv(xk, wk, None, True, True)
+
+
+def test_linear_silu_and_mul_op(kernels) -> None:
+    """One-token inputs take the gated GEMV; others (and K past its limit) the two ops."""
+    from pagedllm.backends.cuda.layer_ops import layer_ops
+
+    ops = layer_ops(kernels)
+    if kernels.kernel_arch() < 900:
+        assert "linear_silu_and_mul" not in ops
+        return
+    fused = ops["linear_silu_and_mul"]
+    x, w, b = _operands(600, 1024, torch.bfloat16, 4, True)
+    layer = SimpleNamespace(weight=w, bias=b)
+    assert torch.equal(fused(x, layer), kernels.gemv(x, w, b, True, True))
+    x2 = torch.cat([x, x * 0.5])
+    assert torch.equal(fused(x2, layer), kernels.silu_and_mul(F.linear(x2, w, b)))
+    xk, wk, _ = _operands(40, 10240, torch.bfloat16, 5, False)
+    layer_k = SimpleNamespace(weight=wk, bias=None)
+    assert torch.equal(fused(xk, layer_k), kernels.silu_and_mul(kernels.gemv(xk, wk)))

@@ -11,7 +11,8 @@
 //   * pl_shfl_xor(): all WARP_SIZE lanes of the warp must make the same call (full-mask shuffle),
 //     an exited lane or a lane at a different shuffle deadlocks and is reported;
 //   * fibers are resumed in a random (seeded) order at every scheduling pass, so a missing barrier
-//     shows up as wrong results rather than staying hidden by a fixed order.
+//     shows up as wrong results rather than staying hidden by a fixed order; the blocks of a grid
+//     run in a random order too.
 // __shared__ variables become function-level statics: shared by the fibers of a block, and blocks
 // run one after another, so this matches CUDA as long as a kernel does not rely on their contents at
 // block start (it must not on a GPU either).
@@ -258,15 +259,21 @@ inline void run_grid(dim3 grid, dim3 block, std::function<void()> body) {
   b.grid_dim = grid;
   b.block_dim = block;
   b.body = std::move(body);
-  for (unsigned z = 0; z < grid.z && g_error.empty(); ++z) {
-    for (unsigned y = 0; y < grid.y && g_error.empty(); ++y) {
-      for (unsigned x = 0; x < grid.x && g_error.empty(); ++x) {
-        b.block_idx = dim3(x, y, z);
-        b.failed = false;
-        g_block = &b;
-        run_block(b, rng);
-      }
+  // Blocks run in a random (seeded) order: a kernel may not rely on one (the fused reduce of the
+  // decode kernel must work whichever partition's block finishes last).
+  std::vector<dim3> blocks;
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) blocks.emplace_back(x, y, z);
     }
+  }
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+  for (const dim3& idx : blocks) {
+    if (!g_error.empty()) break;
+    b.block_idx = idx;
+    b.failed = false;
+    g_block = &b;
+    run_block(b, rng);
   }
   g_block = nullptr;
   g_fiber = nullptr;
@@ -293,6 +300,13 @@ inline void pl_wait_prior_grids() {}
 inline void pl_release_dependents() {}
 inline void pl_release_and_wait() {}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// Blocks run one at a time, so memory is always coherent and an atomic is a plain update.
+inline void __threadfence() {}
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
 
 inline cudaError_t cudaGetLastError() {
   return simt::g_error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
