@@ -15,14 +15,9 @@
 // accumulates their products for every row of a stage; a stage's row sums are reduced over the
 // warps through shared memory.
 //
-// Gated (GemvArgs::gated, the merged gate_up projection of a SiLU MLP): a block owns a range of
-// outputs and each stage holds the gate rows and then the up rows of the same outputs (two bulk
-// copies on one barrier), so the epilogue applies silu_and_mul itself and the MLP's separate
-// silu_and_mul kernel, one more link in the chain of small kernels, goes away.
-//
 // Bulk copies (cp.async.bulk + mbarrier) exist on sm_90+ CUDA only; elsewhere (HIP, older GPUs,
 // and launches with GemvArgs::staged false) the same kernel reads the rows from global memory.
-#include "layer_math.cuh"
+#include "dtype_convert.cuh"
 #include "ops.h"
 
 namespace pagedllm {
@@ -47,16 +42,12 @@ PL_DEVICE uint32_t shared_address(const void* ptr) {
 PL_DEVICE void barrier_init(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
 }
-// Arrives on the barrier's current phase, which then completes when `bytes` bytes of bulk copies
-// (bulk_load calls naming it) have landed.
-PL_DEVICE void expect_bytes(uint64_t* bar, uint32_t bytes) {
+// Queues `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst;
+// the barrier's current phase completes when they have arrived.
+PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
                "r"(bytes)
                : "memory");
-}
-// Queues `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,
-// counted on the barrier (after expect_bytes for them).
-PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           shared_address(dst)),
@@ -92,16 +83,13 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   constexpr int VEC = Vec16<T>::kElems;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / WARP_SIZE;
-  // This block's outputs; gated, each output reads two weight rows (its gate and its up row).
-  const int64_t out_begin = static_cast<int64_t>(blockIdx.x) * a.n / gridDim.x;
-  const int64_t out_end = static_cast<int64_t>(blockIdx.x + 1) * a.n / gridDim.x;
-  const int outs = static_cast<int>(out_end - out_begin);
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * a.n / gridDim.x;
+  const int64_t row_end = static_cast<int64_t>(blockIdx.x + 1) * a.n / gridDim.x;
+  const int rows = static_cast<int>(row_end - row_begin);
   const int k_vecs = a.k / VEC;
-  const int parts = a.gated ? 2 : 1;
-  const int stage_outs = a.stage_rows / parts;
-  const int num_stages = (outs + stage_outs - 1) / stage_outs;
-  const T* gate_rows = static_cast<const T*>(a.weight) + out_begin * a.k;
-  const T* up_rows = gate_rows + a.n * a.k;  // gated only
+  const int stage_rows = a.stage_rows;
+  const int num_stages = (rows + stage_rows - 1) / stage_rows;
+  const T* weight = static_cast<const T*>(a.weight) + row_begin * a.k;
   __shared__ float partial[2][kMaxStageRows][kWarps];
 
 #if defined(PL_GEMV_BULK_COPY)
@@ -109,14 +97,10 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   __shared__ __align__(8) uint64_t arrived[kStages];
   const bool staged = a.staged;
   const auto issue = [&](int stage) {
-    const int n = min(stage_outs, outs - stage * stage_outs);
-    const uint32_t bytes = static_cast<uint32_t>(n * a.k * sizeof(T));
-    const int64_t offset = static_cast<int64_t>(stage) * stage_outs * a.k;
-    unsigned char* buffer = stage_buffers + (stage % kStages) * kStageBytes;
-    uint64_t* bar = &arrived[stage % kStages];
-    expect_bytes(bar, bytes * parts);
-    bulk_load(buffer, gate_rows + offset, bytes, bar);
-    if (parts == 2) bulk_load(buffer + bytes, up_rows + offset, bytes, bar);
+    const int n = min(stage_rows, rows - stage * stage_rows);
+    bulk_load(stage_buffers + (stage % kStages) * kStageBytes,
+              weight + static_cast<int64_t>(stage) * stage_rows * a.k,
+              static_cast<uint32_t>(n * a.k * sizeof(T)), &arrived[stage % kStages]);
   };
   if (staged) {
     if (tid == 0) {
@@ -145,17 +129,13 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   T* out = static_cast<T*>(a.out);
 #pragma unroll 1
   for (int stage = 0; stage < num_stages; ++stage) {
-    const int o0 = stage * stage_outs;
-    const int no = min(stage_outs, outs - o0);  // outputs of this stage
-    const int nr = no * parts;                  // its weight rows: gates, then ups
-    // Row r of the stage: the gate (or only) row of output o0 + r, or the up row of o0 + r - no.
-    const T* first = gate_rows + static_cast<int64_t>(o0) * a.k;
-    const T* second = up_rows + static_cast<int64_t>(o0 - no) * a.k;
+    const int r0 = stage * stage_rows;
+    const int nr = min(stage_rows, rows - r0);
+    const T* src = weight + static_cast<int64_t>(r0) * a.k;
 #if defined(PL_GEMV_BULK_COPY)
     if (staged) {
       barrier_wait(&arrived[stage % kStages], (stage / kStages) & 1);
-      first = reinterpret_cast<const T*>(stage_buffers + (stage % kStages) * kStageBytes);
-      second = first;  // the up rows follow the gate rows in the buffer
+      src = reinterpret_cast<const T*>(stage_buffers + (stage % kStages) * kStageBytes);
     }
 #endif
     float acc[kMaxStageRows];
@@ -163,13 +143,12 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
     for (int r = 0; r < kMaxStageRows; ++r) {
       acc[r] = 0.f;
       if (r < nr) {
-        const T* src = (r < no ? first : second) + static_cast<int64_t>(r) * a.k;
 #pragma unroll
         for (int j = 0; j < KV; ++j) {
           const int v = tid + j * kThreads;
           if (v < k_vecs) {
             float w[VEC];
-            vec16_to_float<T>(*reinterpret_cast<const uint4*>(src + v * VEC), w);
+            vec16_to_float<T>(*reinterpret_cast<const uint4*>(src + r * a.k + v * VEC), w);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[r] += w[e] * xr[j][e];
           }
@@ -185,20 +164,12 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
       issue(stage + kStages);
     }
 #endif
-    if (tid < no) {
-      const int64_t o = out_begin + o0 + tid;
+    if (tid < nr) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += partial[stage & 1][tid][w];
-      if (bias != nullptr) sum += load_element(bias + o);
-      if (parts == 2) {  // silu_and_mul of the two rounded projections
-        float up = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) up += partial[stage & 1][no + tid][w];
-        if (bias != nullptr) up += load_element(bias + a.n + o);
-        sum = silu_and_mul_value<T>(round_to<T>(sum), round_to<T>(up));
-      }
-      store_from_float(out + o, sum);
+      if (bias != nullptr) sum += load_element(bias + row_begin + r0 + tid);
+      store_from_float(out + row_begin + r0 + tid, sum);
     }
   }
 }
@@ -249,25 +220,22 @@ int multiprocessors() {
   return count;
 }
 
-// Whole rows per stage: as many as fit kStageBytes, at most kMaxStageRows; gated, an even number
-// (each output's gate and up row in the same stage; gemv_supports_gated_k guarantees two fit).
-int gemv_stage_rows(int k, bool gated) {
+// Whole rows per stage: as many as fit kStageBytes, at most kMaxStageRows.
+int gemv_stage_rows(int k) {
   const int rows = kStageBytes / (k * 2);
-  const int fit = rows < 1 ? 1 : (rows > kMaxStageRows ? kMaxStageRows : rows);
-  return gated ? fit & ~1 : fit;
+  return rows < 1 ? 1 : (rows > kMaxStageRows ? kMaxStageRows : rows);
 }
 
 }  // namespace
 
 cudaError_t launch_gemv(GemvArgs a, cudaStream_t stream) {
   if (a.n == 0) return cudaSuccess;
-  if (a.n < 0 || !gemv_supports_k(a.k) || a.dtype == ScalarType::kFloat32 ||
-      (a.gated && !gemv_supports_gated_k(a.k))) {
+  if (a.n < 0 || !gemv_supports_k(a.k) || a.dtype == ScalarType::kFloat32) {
     return cudaErrorInvalidValue;
   }
   const int sms = multiprocessors();
   if (sms <= 0) return cudaErrorInvalidValue;
-  a.stage_rows = gemv_stage_rows(a.k, a.gated);
+  a.stage_rows = gemv_stage_rows(a.k);
   a.staged = a.staged && kernel_arch() >= 900;
   const int blocks = static_cast<int>(a.n < sms ? a.n : sms);
   const int kv = (a.k / 8 + kThreads - 1) / kThreads;

@@ -165,7 +165,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 }
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
-                   const c10::optional<torch::Tensor>& bias, bool staged, bool gated) {
+                   const c10::optional<torch::Tensor>& bias, bool staged) {
   check_cuda(x, "x", x.device());
   const ScalarType dtype = to_scalar_type(x, "x");
   PL_CHECK(dtype != ScalarType::kFloat32, "gemv: x must be float16 or bfloat16, got ",
@@ -180,18 +180,12 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
            "[8, ", pagedllm::kGemvMaxK, "], got ", x.size(1));
   check_aligned16(x, "x");
   check_aligned16(weight, "weight");
-  if (gated) {
-    PL_CHECK(weight.size(0) % 2 == 0, "gemv: gated weight must be [2 * out_features, ",
-             x.size(1), "] (gate rows, then up rows), got ", weight.sizes());
-    PL_CHECK(pagedllm::gemv_supports_gated_k(x.size(1)), "gemv: gated in_features must be at "
-             "most ", pagedllm::kGemvGatedMaxK, ", got ", x.size(1));
-  }
-  const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
+  const int64_t n = weight.size(0);
   torch::Tensor out = torch::empty({1, n}, x.options());
   pagedllm::GemvArgs a{};
   if (bias.has_value()) {
     check_layer_operand(*bias, "bias", x);
-    check_shape(*bias, "bias", {weight.size(0)});
+    check_shape(*bias, "bias", {n});
     a.bias = bias->data_ptr();
   }
   a.dtype = dtype;
@@ -201,7 +195,6 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
   a.n = n;
   a.k = static_cast<int>(x.size(1));
   a.staged = staged;
-  a.gated = gated;
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(pagedllm::launch_gemv(a, current_stream(x)), "gemv");
@@ -228,10 +221,8 @@ void register_layer_ops(pybind11::module_& m) {
         py::arg("x"));
   m.def("gemv", &gemv,
         "x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] for one-token decode steps (float16/bfloat16;"
-        " staged: weights streamed through shared memory on sm_90+); gated: weight [2N, K] is a "
-        "merged gate_up projection and the result silu_and_mul of it, [1, N].",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true,
-        py::arg("gated") = false);
+        " staged: weights streamed through shared memory on sm_90+).",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("staged") = true);
 }
 
 }  // namespace pagedllm::binding

@@ -12,7 +12,7 @@
 //
 // Memory access: 16-byte vectors of Vec16<T>::kElems elements when every pointer, row stride and
 // row length allows it, else one element per access.
-#include "layer_math.cuh"
+#include "dtype_convert.cuh"
 #include "ops.h"
 
 namespace pagedllm {
@@ -36,6 +36,27 @@ PL_DEVICE void load(const T* p, float (&out)[N]) {
   } else {
     vec16_to_float<T>(*reinterpret_cast<const uint4*>(p), out);
   }
+}
+
+// Storage bits of a float rounded to nearest even in the 16-bit type T.
+template <typename T>
+PL_DEVICE uint32_t bits16(float value);
+template <>
+PL_DEVICE uint32_t bits16<pl_half>(float value) { return __half_as_ushort(__float2half(value)); }
+template <>
+PL_DEVICE uint32_t bits16<pl_bf16>(float value) { return float_to_bf16_bits(value); }
+
+// A float rounded to nearest even in T, as a float (what a torch op storing T then reading it
+// back sees).
+template <typename T>
+PL_DEVICE float round_to(float value);
+template <>
+PL_DEVICE float round_to<float>(float value) { return value; }
+template <>
+PL_DEVICE float round_to<pl_half>(float value) { return __half2float(__float2half(value)); }
+template <>
+PL_DEVICE float round_to<pl_bf16>(float value) {
+  return pl_uint_as_float(bits16<pl_bf16>(value) << 16);
 }
 
 // Stores N floats at p, each rounded to T (same N and alignment rule as load).
@@ -213,7 +234,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) silu_and_mul_kernel(SiluAndMulArgs a)
   float g[N], up[N];
   load<T, N>(gate, g);
   load<T, N>(gate + a.intermediate_size, up);
-  for (int j = 0; j < N; ++j) g[j] = silu_and_mul_value<T>(g[j], up[j]);
+  for (int j = 0; j < N; ++j) g[j] = pl_fmul_rn(round_to<T>(g[j] / (1.0f + expf(-g[j]))), up[j]);
   store<T, N>(static_cast<T*>(a.out) + token * a.intermediate_size + i, g);
 }
 

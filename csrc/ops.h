@@ -44,14 +44,6 @@ inline int paged_attention_heads_per_block(int q_per_kv) {
   return q_per_kv <= 1 ? 1 : (q_per_kv <= 4 ? 4 : 8);
 }
 
-// Thread blocks per partition of a launch: one per (sequence, kv head, chunk of its query heads);
-// also the number of PagedAttentionArgs::partition_counters a launch uses.
-inline int64_t paged_attention_num_counters(int num_seqs, int num_heads, int num_kv_heads) {
-  const int q_per_kv = num_kv_heads > 0 ? num_heads / num_kv_heads : 1;
-  const int gqa = paged_attention_heads_per_block(q_per_kv);
-  return static_cast<int64_t>(num_seqs) * num_kv_heads * ((q_per_kv + gqa - 1) / gqa);
-}
-
 // The decode kernel is compiled with 4 warps per thread block and with 2. A 2-warp block needs half
 // the registers, so twice as many blocks fit on an SM and overlap their latency-bound phases (q
 // load, softmax, reductions), which short partitions are made of. Measured on an H200 (bf16,
@@ -69,8 +61,10 @@ inline bool paged_attention_narrow_blocks(int64_t grid_blocks, int partition_siz
 // combine; short ones spread a few sequences (batch-1 decode) over more of the GPU.
 inline int paged_attention_partition_size(int num_seqs, int num_heads, int num_kv_heads,
                                           int max_seq_len) {
+  const int q_per_kv = num_kv_heads > 0 ? num_heads / num_kv_heads : 1;
+  const int gqa = paged_attention_heads_per_block(q_per_kv);
   const int64_t blocks_per_partition =
-      paged_attention_num_counters(num_seqs, num_heads, num_kv_heads);
+      static_cast<int64_t>(num_seqs) * num_kv_heads * ((q_per_kv + gqa - 1) / gqa);
   int p = kMinPartitionSize;
   while (p < kMaxPartitionSize && p < max_seq_len) p *= 2;
   while (p > kMinPartitionSize &&
@@ -117,11 +111,6 @@ struct PagedAttentionArgs {
   float* tmp_out;                 // [num_seqs, num_heads, num_partitions, head_size]
   float* exp_sums;                // [num_seqs, num_heads, num_partitions]
   float* max_logits;              // [num_seqs, num_heads, num_partitions]
-  // Optional (nullptr: the reduce kernel combines the partitions): int32 counters
-  // [paged_attention_num_counters(num_seqs, num_heads, num_kv_heads)], all zero before the launch
-  // and left zero after it. With them the last thread block of each (sequence, head group) to
-  // finish combines that group's partitions in the same launch, one kernel boundary less.
-  int32_t* partition_counters;
   int num_seqs;
   int num_heads;
   int num_kv_heads;               // divides num_heads
@@ -281,27 +270,21 @@ constexpr int kGemvMaxK = 16384;
 
 // In-features the GEMV takes: whole 16-byte vectors of a 16-bit dtype, at most kGemvMaxK.
 inline bool gemv_supports_k(int64_t k) { return k > 0 && k % 8 == 0 && k <= kGemvMaxK; }
-// The gated GEMV needs a gate and an up row in one 32 KB stage (gemv_kernels.cu).
-constexpr int kGemvGatedMaxK = 8192;
-inline bool gemv_supports_gated_k(int64_t k) { return gemv_supports_k(k) && k <= kGemvGatedMaxK; }
 
 struct GemvArgs {
   ScalarType dtype;               // of every tensor: float16 or bfloat16
   void* out;                      // [n], contiguous
   const void* x;                  // [k], contiguous, 16-byte aligned
-  const void* weight;             // [n, k], or [2 * n, k] gated; contiguous, 16-byte aligned
-  const void* bias;               // [n] ([2 * n] gated) or nullptr
-  int64_t n;                      // outputs
-  int k;                          // gemv_supports_k (gemv_supports_gated_k gated)
+  const void* weight;             // [n, k], contiguous, 16-byte aligned
+  const void* bias;               // [n] or nullptr
+  int64_t n;
+  int k;                          // gemv_supports_k
   bool staged;                    // stream the weights through shared memory with bulk copies
                                   // (sm_90+; ignored elsewhere)
-  bool gated;                     // weight rows [0, n) gate, [n, 2n) up (a merged gate_up
-                                  // projection): out = silu_and_mul of the two projections
   int stage_rows;                 // set by the launcher
 };
 
-// out = weight @ x (+ bias), accumulated in float32 and rounded once; gated, out[i] =
-// silu(g_i) * u_i with g, u the two rounded projections (bit-identical to silu_and_mul(gemv)).
+// out = weight @ x (+ bias), accumulated in float32 and rounded once.
 cudaError_t launch_gemv(GemvArgs args, cudaStream_t stream);
 
 }  // namespace pagedllm

@@ -27,7 +27,7 @@ void launch_decode(const PagedAttentionArgs& a, int block_shift, int q_per_kv, i
     launch_kernel(paged_attention_kernel<T, HEAD_SIZE, GQA, kAttnWarps>, grid,
                   dim3(kAttnWarps * WARP_SIZE), stream, a, block_shift, q_per_kv);
   }
-  if (num_partitions > 1 && a.partition_counters == nullptr) {  // else the kernel combined them
+  if (num_partitions > 1) {
     const dim3 reduce_grid(a.num_heads, a.num_seqs);
     launch_kernel(paged_attention_reduce_kernel<T>, reduce_grid, dim3(kReduceThreads), stream, a,
                   block_shift, num_partitions);

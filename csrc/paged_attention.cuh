@@ -18,9 +18,8 @@
 //   Phase 3 (PV): each lane accumulates p * v for its vectors; lanes of different token slots are
 //                 summed with shuffles, warps through shared memory.
 //   Output:       one partition -> out = acc / sum directly; several partitions -> the normalized
-//                 partial output, max logit and exp-sum go to the tmp buffers and either the
-//                 last block of the (sequence, head group) to finish combines them (with
-//                 partition_counters) or paged_attention_reduce_kernel does.
+//                 partial output, max logit and exp-sum go to the tmp buffers and
+//                 paged_attention_reduce_kernel combines them.
 //
 // Masking: tokens at or past the (effective) sequence length are never loaded; a block-table entry
 // outside [0, num_blocks) masks its tokens (logit -inf, value never loaded), so a bad block table
@@ -131,37 +130,6 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
   }
 }
 
-// Combines the partitions of one (sequence, head) with `threads` threads (tid < threads):
-// out = sum_p w_p * tmp_out_p / sum_p w_p with w_p = exp_sum_p * exp(max_logit_p - global_max);
-// tmp_out_p is already normalized by its own exp_sum. The partials are read through volatile
-// pointers: in the fused path other thread blocks of the same launch wrote them.
-template <typename T>
-PL_DEVICE void combine_partitions(const PagedAttentionArgs& a, int seq, int head, int num_partitions,
-                                  int used, int tid, int threads) {
-  T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride + head * a.out_head_stride;
-  const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
-  const volatile float* max_logits = a.max_logits + row * num_partitions;
-  const volatile float* exp_sums = a.exp_sums + row * num_partitions;
-  const volatile float* tmp_out = a.tmp_out + row * num_partitions * a.head_size;
-
-  float global_max = -INFINITY;
-  for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, max_logits[p]);
-  float weight_sum = 0.f;
-  if (global_max != -INFINITY) {
-    for (int p = 0; p < used; ++p) weight_sum += exp_sums[p] * expf(max_logits[p] - global_max);
-  }
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-  for (int d = tid; d < a.head_size; d += threads) {
-    float value = 0.f;
-    if (inv > 0.f) {
-      for (int p = 0; p < used; ++p) {
-        value += exp_sums[p] * expf(max_logits[p] - global_max) * tmp_out[p * a.head_size + d];
-      }
-    }
-    store_from_float(out + d, value * inv);
-  }
-}
-
 template <typename T, int HEAD_SIZE, int GQA, int WARPS>
 __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     paged_attention_kernel(const PagedAttentionArgs a, int block_shift, int q_per_kv) {
@@ -193,8 +161,8 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
   const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
   const int part_start = partition * a.partition_size;
   if (part_start >= seq_len) {
-    // Partition 0 gets here only for an empty sequence: its output is zero (no block combines).
-    if (partition == 0) {
+    // Only an empty sequence gets here with one partition: its output is zero.
+    if (num_partitions == 1) {
       T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride;
       for (int idx = tid; idx < num_valid_heads * HEAD_SIZE; idx += kThreads) {
         store_from_float(out + (head0 + idx / HEAD_SIZE) * a.out_head_stride + idx % HEAD_SIZE, 0.f);
@@ -406,40 +374,42 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     a.exp_sums[(row0 + g) * num_partitions + partition] = sum;
     a.max_logits[(row0 + g) * num_partitions + partition] = max_logit;
   }
-  if (num_partitions == 1 || a.partition_counters == nullptr) return;
-
-  // ---- Fused combine: the group's last block to finish reduces its partitions ----------------
-  // (the threadfence-reduction pattern: every writer fences before the block counts itself done,
-  // so the block that sees the final count sees every partial result).
-  __shared__ int combine_here;
-  const int used = (seq_len + a.partition_size - 1) / a.partition_size;  // blocks that count
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int32_t* counter = a.partition_counters + static_cast<int64_t>(seq) * gridDim.x + head_chunk;
-    combine_here = atomicAdd(counter, 1) == used - 1;
-    if (combine_here) *counter = 0;  // the others have all counted: zero for the next launch
-  }
-  __syncthreads();
-  if (!combine_here) return;  // uniform over the block
-  __threadfence();
-  constexpr int kWarpsPerHead = WARPS / GQA > 0 ? WARPS / GQA : 1;
-  // GQA heads over WARPS warps: warps split the heads (a warp per head at GQA <= WARPS).
-  for (int g = warp / kWarpsPerHead; g < num_valid_heads; g += const_max(WARPS / kWarpsPerHead, 1)) {
-    combine_partitions<T>(a, seq, head0 + g, num_partitions, used,
-                          (warp % kWarpsPerHead) * WARP_SIZE + lane, kWarpsPerHead * WARP_SIZE);
-  }
 }
 
-// The reduce kernel of the unfused path: grid (num_heads, num_seqs).
+// Combines the partitions of one (sequence, head): grid (num_heads, num_seqs).
+// out = sum_p w_p * tmp_out_p / sum_p w_p with w_p = exp_sum_p * exp(max_logit_p - global_max);
+// tmp_out_p is already normalized by its own exp_sum.
 template <typename T>
 __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
     paged_attention_reduce_kernel(const PagedAttentionArgs a, int block_shift, int num_partitions) {
   pl_release_and_wait();  // inputs may come from the previous kernel (cuda_compat.h)
-  const int seq_len = effective_seq_len(a, blockIdx.y, block_shift, num_partitions);
+  const int tid = threadIdx.x;
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride + head * a.out_head_stride;
+  const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
   const int used = (seq_len + a.partition_size - 1) / a.partition_size;  // partitions written
-  combine_partitions<T>(a, blockIdx.y, blockIdx.x, num_partitions, used, threadIdx.x,
-                        kReduceThreads);
+  const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
+  const float* max_logits = a.max_logits + row * num_partitions;
+  const float* exp_sums = a.exp_sums + row * num_partitions;
+  const float* tmp_out = a.tmp_out + row * num_partitions * a.head_size;
+
+  float global_max = -INFINITY;
+  for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, max_logits[p]);
+  float weight_sum = 0.f;
+  if (global_max != -INFINITY) {
+    for (int p = 0; p < used; ++p) weight_sum += exp_sums[p] * expf(max_logits[p] - global_max);
+  }
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  for (int d = tid; d < a.head_size; d += kReduceThreads) {
+    float value = 0.f;
+    if (inv > 0.f) {
+      for (int p = 0; p < used; ++p) {
+        value += exp_sums[p] * expf(max_logits[p] - global_max) * tmp_out[p * a.head_size + d];
+      }
+    }
+    store_from_float(out + d, value * inv);
+  }
 }
 
 }  // namespace pagedllm

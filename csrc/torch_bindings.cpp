@@ -45,8 +45,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
                      const c10::optional<torch::Tensor>& tmp_out_opt,
                      const c10::optional<torch::Tensor>& exp_sums_opt,
                      const c10::optional<torch::Tensor>& max_logits_opt, int64_t partition_size,
-                     int64_t num_warps,
-                     const c10::optional<torch::Tensor>& partition_counters_opt) {
+                     int64_t num_warps) {
   const torch::Device device = query.device();
   check_cuda(query, "query", device);
   check_cuda(out, "out", device);
@@ -147,18 +146,6 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   a.tmp_out = num_partitions > 1 ? tmp_out.data_ptr<float>() : nullptr;
   a.exp_sums = num_partitions > 1 ? exp_sums.data_ptr<float>() : nullptr;
   a.max_logits = num_partitions > 1 ? max_logits.data_ptr<float>() : nullptr;
-  a.partition_counters = nullptr;
-  if (num_partitions > 1 && partition_counters_opt.has_value()) {
-    const torch::Tensor& counters = *partition_counters_opt;
-    check_cuda(counters, "partition_counters", device);
-    check_dtype(counters, "partition_counters", torch::kInt32);
-    PL_CHECK(counters.is_contiguous(), "partition_counters must be contiguous");
-    const int64_t needed = pagedllm::paged_attention_num_counters(
-        static_cast<int>(num_seqs), static_cast<int>(num_heads), static_cast<int>(num_kv_heads));
-    PL_CHECK(counters.numel() >= needed, "partition_counters must hold at least ", needed,
-             " counters (one per sequence and head group), got ", counters.numel());
-    a.partition_counters = counters.data_ptr<int32_t>();
-  }
   a.num_seqs = static_cast<int>(num_seqs);
   a.num_heads = static_cast<int>(num_heads);
   a.num_kv_heads = static_cast<int>(num_kv_heads);
@@ -343,8 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("max_seq_len"), py::arg("tmp_out") = py::none(),
         py::arg("exp_sums") = py::none(), py::arg("max_logits") = py::none(),
-        py::arg("partition_size") = 0, py::arg("num_warps") = 0,
-        py::arg("partition_counters") = py::none());
+        py::arg("partition_size") = 0, py::arg("num_warps") = 0);
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping.",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),

@@ -65,8 +65,7 @@ class LlamaMLP(nn.Module):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu_and_mul(gate_up_proj(x)) as one op (a backend may fuse it; gate_up never gathers)
-        return self.down_proj(self.ctx.ops.linear_silu_and_mul(x, self.gate_up_proj))
+        return self.down_proj(self.ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -92,7 +92,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, partition_size: int | None = None,
-                    num_warps: int = 0, fused_reduce: bool = True) -> torch.Tensor:
+                    num_warps: int = 0) -> torch.Tensor:
     lib = _load()
     num_seqs, num_heads, head_size = query.shape
     if partition_size is None:
@@ -103,9 +103,6 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         tmp_out = torch.full((num_seqs, num_heads, num_partitions, head_size), float("nan"))
         exp_sums = torch.full((num_seqs, num_heads, num_partitions), float("nan"))
         max_logits = torch.full((num_seqs, num_heads, num_partitions), float("nan"))
-    counters = None
-    if num_partitions > 1 and fused_reduce:
-        counters = torch.zeros(num_seqs * num_heads, dtype=torch.int32)
     rc = lib.emu_paged_attention(
         ctypes.c_int(_DTYPES[query.dtype]), _ptr(out), *_i64(out.stride(0), out.stride(1)),
         _ptr(query), *_i64(query.stride(0), query.stride(1)),
@@ -116,11 +113,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         *[ctypes.c_int(v) for v in (num_seqs, num_heads, num_kv_heads, head_size, block_size,
                                     key_cache.shape[0], max_seq_len, partition_size,
                                     num_warps)],
-        ctypes.c_float(scale), _ptr(counters),
+        ctypes.c_float(scale),
     )
     _check(lib, rc, "paged_attention")
-    if counters is not None:
-        assert not counters.any(), "the fused reduce left a partition counter non-zero"
     return out
 
 

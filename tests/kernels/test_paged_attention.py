@@ -68,16 +68,14 @@ def make_inputs(case: Case, device: str, seed: int) -> dict:
 
 
 def run_and_check(ops: ModuleType, case: Case, device: str, seed: int = 0,
-                  partition_size: int | None = None, num_warps: int = 0,
-                  fused_reduce: bool = True) -> None:
+                  partition_size: int | None = None, num_warps: int = 0) -> None:
     x = make_inputs(case, device, seed)
     key_cache, value_cache = x["kv_cache"][0], x["kv_cache"][1]
     scale = case.head_size**-0.5
     out = torch.full_like(x["query"], float("nan"))
     ops.paged_attention(out, x["query"], key_cache, value_cache, case.num_kv_heads, scale,
                         x["block_tables"], x["seq_lens"], case.block_size, max(case.seq_lens),
-                        partition_size=partition_size, num_warps=num_warps,
-                        fused_reduce=fused_reduce)
+                        partition_size=partition_size, num_warps=num_warps)
     ref = paged_decode_ref(x["query"].cpu(), key_cache.cpu(), value_cache.cpu(),
                            x["block_tables"].cpu(), x["seq_lens"].cpu(), scale)
     out = out.cpu()
@@ -132,27 +130,6 @@ def test_partition_sizes(request: pytest.FixtureRequest, fixture: str, partition
     for case in (Case(torch.bfloat16, 128, 16, 8, 2, (1, 64, 65, 300, 1100)),
                  Case(torch.float32, 64, 32, 4, 4, (129, 1024, 2050))):
         run_and_check(ops, case, device, seed=partition_size, partition_size=partition_size)
-
-
-@pytest.mark.parametrize("fixture", _edge_backends())
-@pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused_reduce", "reduce_kernel"])
-def test_partition_combine(request: pytest.FixtureRequest, fixture: str, fused_reduce: bool) -> None:
-    """Partitions combined by the last block of each head group (fused) or by the reduce kernel:
-    sequences using 1..all of the launched partitions, an empty one, GQA 1/4/8 and a group of 16
-    (2 blocks per kv head), repeated so that the fused path's counters must come back to zero."""
-    ops = request.getfixturevalue(fixture)
-    device = "cuda" if fixture == "cuda_ops" else "cpu"
-    cases = (Case(torch.bfloat16, 128, 16, 32, 8, (1, 0, 64, 65, 200, 250)),
-             Case(torch.float32, 64, 32, 4, 4, (300, 129, 1)),
-             Case(torch.float16, 128, 16, 16, 1, (190, 7)),
-             Case(torch.float32, 96, 16, 8, 1, (0, 100)))
-    for repeat in range(2):
-        for case in cases:
-            run_and_check(ops, case, device, seed=repeat, partition_size=64,
-                          fused_reduce=fused_reduce)
-    if fixture == "cuda_ops":
-        counters = ops.partition_counters(torch.device("cuda"), 1)
-        assert not counters.any(), "a partition counter was left non-zero"
 
 
 def test_partition_size_rule(emu_ops: ModuleType) -> None:

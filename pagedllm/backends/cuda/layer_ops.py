@@ -10,8 +10,6 @@ public wrappers).
 linear: on sm_90+ GPUs a one-token input (the decode steps of batch 1) runs the csrc/ GEMV,
 which starts streaming its weights while the previous kernel finishes (gemv_kernels.cu); larger
 inputs, other GPUs, and every input when PAGEDLLM_GEMV=0 run F.linear (cuBLAS / hipBLAS).
-linear_silu_and_mul (the SiLU MLP's gate_up projection) runs the GEMV's gated form there, which
-applies silu_and_mul in its epilogue (PAGEDLLM_GEMV_GATED=0: the GEMV, then silu_and_mul).
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from pagedllm.models.layers import ops as reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 GEMV_MAX_K = 16384  # csrc/ops.h kGemvMaxK
-GEMV_GATED_MAX_K = 8192  # csrc/ops.h kGemvGatedMaxK
 
 
 def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
@@ -49,23 +46,14 @@ def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
             return kernels.silu_and_mul(x)
         return reference.silu_and_mul(x)
 
-    def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_k: int) -> bool:
-        return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES
-                and weight.dtype == x.dtype and weight.is_contiguous() and x.is_contiguous()
-                and x.shape[1] % 8 == 0 and x.shape[1] <= max_k
-                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
-
     def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)
-        if gemv_fits(x, weight, GEMV_MAX_K):
+        if (x.dim() == 2 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES
+                and weight.dtype == x.dtype and weight.is_contiguous() and x.is_contiguous()
+                and x.shape[1] % 8 == 0 and x.shape[1] <= GEMV_MAX_K
+                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0):
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
-
-    def linear_silu_and_mul(x: torch.Tensor, layer: Any) -> torch.Tensor:
-        weight, bias = layer.weight, getattr(layer, "bias", None)
-        if gemv_fits(x, weight, GEMV_GATED_MAX_K):
-            return kernels.gemv(x, weight, bias, True, True)
-        return silu_and_mul(linear(x, layer))
 
     ops = {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
     # The GEMV beats cuBLAS only where it streams through bulk copies and starts early (sm_90+).
@@ -73,6 +61,4 @@ def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
     arch = getattr(kernels, "kernel_arch", lambda: 0)()
     if arch >= 900 and os.environ.get("PAGEDLLM_GEMV", "1").strip() != "0":
         ops["linear"] = linear
-        if os.environ.get("PAGEDLLM_GEMV_GATED", "1").strip() != "0":
-            ops["linear_silu_and_mul"] = linear_silu_and_mul
     return ops

@@ -149,7 +149,6 @@ def paged_attention(
     max_seq_len: int,
     partition_size: int | None = None,
     num_warps: int = 0,
-    fused_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context; fills and returns out.
 
@@ -158,11 +157,7 @@ def paged_attention(
     MAX_PARTITION_SIZE]; None: ``decode_partition_size``, which shortens partitions when there are
     few sequences); contexts longer than one partition use float32 scratch buffers allocated here.
     ``num_warps`` 0 lets the kernel pick its thread-block width per launch (csrc/ops.h
-    paged_attention_narrow_blocks); 2 or 4 forces one. With several partitions, ``fused_reduce``
-    (None: on unless PAGEDLLM_ATTN_FUSED_REDUCE=0) lets the last thread block of each (sequence,
-    head group) combine them in the same launch instead of a second kernel; its counters are a
-    per-device buffer kept zero between launches, so two such launches must not run concurrently
-    on one device (the engine runs one stream).
+    paged_attention_narrow_blocks); 2 or 4 forces one.
     """
     import torch
 
@@ -188,40 +183,12 @@ def paged_attention(
         tmp_out = torch.empty(num_seqs, num_heads, num_partitions, head_size, **f32)
         exp_sums = torch.empty(num_seqs, num_heads, num_partitions, **f32)
         max_logits = torch.empty(num_seqs, num_heads, num_partitions, **f32)
-    counters = None
-    if num_partitions > 1 and (FUSED_REDUCE if fused_reduce is None else fused_reduce):
-        counters = partition_counters(query.device, num_seqs * num_heads)
     kernels.paged_attention(
         out, query, key_cache, value_cache, int(num_kv_heads), float(scale), block_tables,
         seq_lens, int(block_size), int(max_seq_len), tmp_out, exp_sums, max_logits,
-        int(partition_size), int(num_warps), counters,
+        int(partition_size), int(num_warps),
     )
     return out
-
-
-FUSED_REDUCE = os.environ.get("PAGEDLLM_ATTN_FUSED_REDUCE", "1").strip() != "0"
-_counters: dict[str, torch.Tensor] = {}
-_retired_counters: list[torch.Tensor] = []  # outgrown buffers stay alive: graphs may hold them
-
-
-def partition_counters(device: torch.device, count: int) -> torch.Tensor:
-    """The zeroed int32 counters of the fused reduce on ``device``, at least ``count`` of them.
-
-    Kept per device and grown by powers of two: the kernel leaves them zero after each launch, so
-    one buffer serves every launch. An outgrown buffer is kept alive, since a captured graph may
-    still use it (the engine warms each graph's batch size up before capturing it, so buffers
-    grow outside capture).
-    """
-    import torch
-
-    key = str(device)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < count:
-        if buf is not None:
-            _retired_counters.append(buf)
-        buf = torch.zeros(max(4096, 1 << (count - 1).bit_length()), dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
 
 
 def reshape_and_cache(

@@ -66,18 +66,13 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_silu_and_mul",
-             "linear_prepare", "greedy_logprobs")
+    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
         self.rotary: Callable[..., torch.Tensor] = rotary
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
-        # silu_and_mul of a merged gate_up projection (the SiLU MLP); by default the table's own
-        # two ops, so a backend that registers only those still runs them
-        self.linear_silu_and_mul: Callable[[torch.Tensor, Any], torch.Tensor] = \
-            lambda x, layer: self.silu_and_mul(self.linear(x, layer))
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
         self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
             greedy_logprobs

@@ -33,8 +33,7 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
                         int max_num_blocks_per_seq, const int32_t* seq_lens, float* tmp_out,
                         float* exp_sums, float* max_logits, int num_seqs, int num_heads,
                         int num_kv_heads, int head_size, int block_size, int num_blocks,
-                        int max_seq_len, int partition_size, int warps, float scale,
-                        int32_t* partition_counters) {
+                        int max_seq_len, int partition_size, int warps, float scale) {
   pagedllm::PagedAttentionArgs a{};
   a.dtype = static_cast<ScalarType>(dtype);
   a.out = out;
@@ -58,7 +57,6 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
   a.tmp_out = tmp_out;
   a.exp_sums = exp_sums;
   a.max_logits = max_logits;
-  a.partition_counters = partition_counters;
   a.num_seqs = num_seqs;
   a.num_heads = num_heads;
   a.num_kv_heads = num_kv_heads;

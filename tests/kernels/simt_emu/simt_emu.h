@@ -259,8 +259,7 @@ inline void run_grid(dim3 grid, dim3 block, std::function<void()> body) {
   b.grid_dim = grid;
   b.block_dim = block;
   b.body = std::move(body);
-  // Blocks run in a random (seeded) order: a kernel may not rely on one (the fused reduce of the
-  // decode kernel must work whichever partition's block finishes last).
+  // Blocks run in a random (seeded) order: a kernel may not rely on one.
   std::vector<dim3> blocks;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
@@ -300,13 +299,6 @@ inline void pl_wait_prior_grids() {}
 inline void pl_release_dependents() {}
 inline void pl_release_and_wait() {}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// Blocks run one at a time, so memory is always coherent and an atomic is a plain update.
-inline void __threadfence() {}
-inline int atomicAdd(int* address, int value) {
-  const int old = *address;
-  *address = old + value;
-  return old;
-}
 
 inline cudaError_t cudaGetLastError() {
   return simt::g_error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
