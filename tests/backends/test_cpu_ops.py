@@ -67,3 +67,44 @@ def test_bad_half_route_names_the_variable_and_choices(half_route) -> None:
     half_route("fast")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_HALF_LINEAR='fast'.*native.*float32"):
         ops.half_compute_dtype(torch.bfloat16)
+
+
+@pytest.fixture
+def fp32_route(monkeypatch):
+    """Sets PAGEDLLM_CPU_FP32_LINEAR (None: unset) with a fresh cached check."""
+    def set_route(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ops.FP32_LINEAR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ops.FP32_LINEAR_ENV, value)
+        ops.mkl_packed_linear_supported.cache_clear()
+    yield set_route
+    ops.mkl_packed_linear_supported.cache_clear()
+
+
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) -> None:
+    """One MKL packing serves every row count (packed for 64 rows, run at 1..128 and past it,
+    where F.linear takes over); oneDNN's route where forced. float64 reference, bias or not."""
+    fp32_route(route)
+    if route == "mkl" and not ops.mkl_packed_linear_supported():
+        pytest.skip("torch without MKL's packed sgemm (or its packing depends on the row count)")
+    gen = torch.Generator().manual_seed(3)
+    for bias in (False, True):
+        layer = nn.Module()
+        layer.weight = nn.Parameter(torch.randn(300, 520, generator=gen), requires_grad=False)
+        layer.bias = (nn.Parameter(torch.randn(300, generator=gen), requires_grad=False)
+                      if bias else None)
+        ops.linear_prepare(layer)
+        assert hasattr(layer, "mkl_weight") == (route == "mkl")
+        for rows in (1, 3, 63, 64, 65, 128, 129, 700):
+            x = torch.randn(rows, 520, generator=gen)
+            ref = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+            err = (ops.linear(x, layer).double() - ref).norm() / ref.norm()
+            assert err < 1e-6, (route, bias, rows, err)
+
+
+def test_bad_fp32_route_names_the_variable_and_choices(fp32_route) -> None:
+    fp32_route("blas")
+    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_FP32_LINEAR='blas' is not one of"):
+        ops.mkl_packed_linear_supported()

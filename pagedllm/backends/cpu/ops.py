@@ -1,4 +1,14 @@
-"""Faster CPU ops: oneDNN (mkldnn) linear with weights pre-packed once at load time.
+"""Faster CPU ops: linears with weights pre-packed once at load time.
+
+float32 models: MKL's packed sgemm for inputs of up to _MKL_MAX_ROWS rows (the decode steps;
+10-15% faster than oneDNN's packed weights there on the AVX-512/AMX machine of RESULTS.md), and
+F.linear on the plain weight above that (prefill, where it is the fastest of the three). The
+packed layout does not depend on the batch-size hint it is packed with, so one packing serves
+every row count; ``mkl_packed_linear_supported`` checks that against F.linear once per process
+and the oneDNN route below runs where it fails. PAGEDLLM_CPU_FP32_LINEAR=onednn forces oneDNN.
+The MKL packing takes ~1.5x the weight's memory, on top of the weight itself.
+
+Half-precision models and float32 ones without MKL: oneDNN (mkldnn) packed weights.
 
 Half-precision models: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
 fallback runs ~20x slower than fp32), or has one that is slower than its float32 GEMM (AVX-512
@@ -21,6 +31,34 @@ import torch
 import torch.nn.functional as F
 
 _PACK_BATCH_HINT = 64
+_MKL_MAX_ROWS = 128
+FP32_LINEAR_ENV = "PAGEDLLM_CPU_FP32_LINEAR"
+FP32_LINEAR_CHOICES = ("mkl", "onednn")
+
+
+@functools.lru_cache(maxsize=None)
+def mkl_packed_linear_supported() -> bool:
+    """Whether torch has MKL's packed sgemm and a weight packed for one batch size computes any
+    row count correctly (checked against F.linear; the plain weight passed beside the packing is
+    zero, so a silent fallback to it would show)."""
+    choice = os.environ.get(FP32_LINEAR_ENV, "").strip().lower()
+    if choice and choice not in FP32_LINEAR_CHOICES:
+        raise ValueError(f"{FP32_LINEAR_ENV}={choice!r} is not one of {FP32_LINEAR_CHOICES}")
+    if choice == "onednn":
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(80, 200, generator=gen)
+        b = torch.randn(80, generator=gen)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_BATCH_HINT)
+        for rows in (1, 7, _PACK_BATCH_HINT, _MKL_MAX_ROWS):
+            x = torch.randn(rows, 200, generator=gen)
+            y = torch.ops.mkl._mkl_linear(x, packed, torch.zeros_like(w), b, rows)
+            if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                return False
+        return True
+    except (RuntimeError, AttributeError):
+        return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +124,9 @@ def _time_routes(dtype: torch.dtype, rounds: int = 7) -> tuple[float, float]:
 
 def linear_prepare(layer: Any) -> None:
     weight = layer.weight.data
+    if weight.dtype == torch.float32 and weight.is_contiguous() and mkl_packed_linear_supported():
+        layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        return
     compute = (weight.dtype if weight.dtype == torch.float32
                else half_compute_dtype(weight.dtype))
     if not onednn_linear_supported(compute):
@@ -98,6 +139,12 @@ def linear_prepare(layer: Any) -> None:
 
 
 def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    mkl = getattr(layer, "mkl_weight", None)
+    if mkl is not None:
+        bias = getattr(layer, "bias", None)
+        if x.dim() == 2 and 0 < x.shape[0] <= _MKL_MAX_ROWS and x.dtype == torch.float32:
+            return torch.ops.mkl._mkl_linear(x.contiguous(), mkl, layer.weight, bias, x.shape[0])
+        return F.linear(x, layer.weight, bias)
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, getattr(layer, "bias", None))
