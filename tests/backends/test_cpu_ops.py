@@ -84,8 +84,8 @@ def fp32_route(monkeypatch):
 
 @pytest.mark.parametrize("route", ["mkl", "onednn"])
 def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) -> None:
-    """One MKL packing serves every row count (packed for 64 rows, run at 1..128 and past it,
-    where F.linear takes over); oneDNN's route where forced. float64 reference, bias or not."""
+    """One MKL packing serves every row count (1 to 2100, on both sides of its batch-size hint);
+    oneDNN's route where forced. float64 reference, bias or not."""
     fp32_route(route)
     if route == "mkl" and not ops.mkl_packed_linear_supported():
         pytest.skip("torch without MKL's packed sgemm (or its packing depends on the row count)")
@@ -97,7 +97,7 @@ def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) ->
                       if bias else None)
         ops.linear_prepare(layer)
         assert hasattr(layer, "mkl_weight") == (route == "mkl")
-        for rows in (1, 3, 63, 64, 65, 128, 129, 700):
+        for rows in (1, 3, 63, 64, 65, 255, 256, 257, 700, 2100):
             x = torch.randn(rows, 520, generator=gen)
             ref = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
             err = (ops.linear(x, layer).double() - ref).norm() / ref.norm()
