@@ -28,17 +28,22 @@ def test_packed_linear_matches_reference(dtype: torch.dtype, tol: float, bias: b
         assert err < tol, (dtype, rows, err)
 
 
+def _route_setter(monkeypatch, env: str, cached):
+    """A function setting the environment variable ``env`` (None: unset) and clearing the
+    lru_cache of ``cached``, the choice that reads it."""
+    def set_route(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+        cached.cache_clear()
+    return set_route
+
+
 @pytest.fixture
 def half_route(monkeypatch):
     """Sets PAGEDLLM_CPU_HALF_LINEAR (None: unset) with a fresh cached choice."""
-    def set_route(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(ops.HALF_LINEAR_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ops.HALF_LINEAR_ENV, value)
-        ops.half_compute_dtype.cache_clear()
-
-    yield set_route
+    yield _route_setter(monkeypatch, ops.HALF_LINEAR_ENV, ops.half_compute_dtype)
     ops.half_compute_dtype.cache_clear()
 
 
@@ -72,13 +77,7 @@ def test_bad_half_route_names_the_variable_and_choices(half_route) -> None:
 @pytest.fixture
 def fp32_route(monkeypatch):
     """Sets PAGEDLLM_CPU_FP32_LINEAR (None: unset) with a fresh cached check."""
-    def set_route(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(ops.FP32_LINEAR_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ops.FP32_LINEAR_ENV, value)
-        ops.mkl_packed_linear_supported.cache_clear()
-    yield set_route
+    yield _route_setter(monkeypatch, ops.FP32_LINEAR_ENV, ops.mkl_packed_linear_supported)
     ops.mkl_packed_linear_supported.cache_clear()
 
 
