@@ -1,16 +1,15 @@
 """Faster CPU ops: linears with weights pre-packed once at load time.
 
 float32 models: MKL's packed sgemm for every input (on the AVX-512/AMX machine of RESULTS.md
-10-40% faster than oneDNN's packed weights at decode sizes and a little faster than F.linear at
+~10% faster than oneDNN's packed weights at 64 rows, and a little faster than F.linear at
 prefill sizes). The packed layout does not depend on the batch-size hint it is packed with, only
 its speed does (a hint of 256 is as fast as 64 at 64 rows and faster above), so one packing
 serves every row count; ``mkl_packed_linear_supported`` checks that against F.linear once per
 process and the oneDNN route below runs where it fails. PAGEDLLM_CPU_FP32_LINEAR=onednn forces
 oneDNN. The MKL packing takes ~1.5x the weight's memory, on top of the weight itself.
 
-Half-precision models and float32 ones without MKL: oneDNN (mkldnn) packed weights.
-
-Half-precision models: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
+Half-precision models, and float32 ones without MKL, run oneDNN's (mkldnn) packed weights. Half
+precision: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
 fallback runs ~20x slower than fp32), or has one that is slower than its float32 GEMM (AVX-512
 CPUs with the bf16 dot-product instructions but no AMX: 1.39x slower on the benchmark's decode
 shapes), the weights are packed as float32 (their values are exactly representable) and the input
