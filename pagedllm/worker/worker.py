@@ -105,6 +105,8 @@ class Worker:
         bs = self.config.cache.block_size
         tokens = sched.max_num_batched_tokens
         num_seqs = max(1, min(sched.max_num_seqs, tokens))
+        # no sequence is longer than the model (its positions index the rotary tables)
+        tokens = min(tokens, num_seqs * self.config.model.max_model_len)
         per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
         seqs, next_block = [], 0
