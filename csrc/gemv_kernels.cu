@@ -17,7 +17,9 @@
 //
 // Bulk copies (cp.async.bulk + mbarrier) exist on sm_90+ CUDA only; elsewhere (HIP, older GPUs,
 // and launches with GemvArgs::staged false) the same kernel reads the rows from global memory.
+#include "bulk_copy.cuh"
 #include "dtype_convert.cuh"
+#include "gemv_stage.cuh"
 #include "ops.h"
 
 namespace pagedllm {
@@ -34,45 +36,6 @@ constexpr int kStageBytes = 32 * 1024;
 constexpr int kStages = PL_GEMV_STAGES;
 constexpr int kMaxStageRows = 4;
 
-#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PL_GEMV_BULK_COPY 1
-PL_DEVICE uint32_t shared_address(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-PL_DEVICE void barrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
-}
-// Queues `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst;
-// the barrier's current phase completes when they have arrived.
-PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          shared_address(dst)),
-      "l"(src), "r"(bytes), "r"(shared_address(bar))
-      : "memory");
-}
-PL_DEVICE void barrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-#endif
-
-PL_DEVICE float gemv_warp_sum(float v) {
-#pragma unroll
-  for (int off = WARP_SIZE / 2; off > 0; off /= 2) v += pl_shfl_xor(v, off);
-  return v;
-}
-
 PL_DEVICE float load_element(const pl_half* p) { return __half2float(*p); }
 PL_DEVICE float load_element(const pl_bf16* p) {
   return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
@@ -82,7 +45,6 @@ template <typename T, int KV>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   constexpr int VEC = Vec16<T>::kElems;
   const int tid = static_cast<int>(threadIdx.x);
-  const int warp = tid / WARP_SIZE;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * a.n / gridDim.x;
   const int64_t row_end = static_cast<int64_t>(blockIdx.x + 1) * a.n / gridDim.x;
   const int rows = static_cast<int>(row_end - row_begin);
@@ -92,7 +54,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   const T* weight = static_cast<const T*>(a.weight) + row_begin * a.k;
   __shared__ float partial[2][kMaxStageRows][kWarps];
 
-#if defined(PL_GEMV_BULK_COPY)
+#if defined(PL_BULK_COPY)
   extern __shared__ __align__(128) unsigned char stage_buffers[];
   __shared__ __align__(8) uint64_t arrived[kStages];
   const bool staged = a.staged;
@@ -105,7 +67,7 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   if (staged) {
     if (tid == 0) {
       for (int s = 0; s < kStages; ++s) barrier_init(&arrived[s]);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      barrier_init_fence();
       for (int s = 0; s < kStages && s < num_stages; ++s) issue(s);
     }
     __syncthreads();
@@ -132,35 +94,17 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
     const int r0 = stage * stage_rows;
     const int nr = min(stage_rows, rows - r0);
     const T* src = weight + static_cast<int64_t>(r0) * a.k;
-#if defined(PL_GEMV_BULK_COPY)
+#if defined(PL_BULK_COPY)
     if (staged) {
       barrier_wait(&arrived[stage % kStages], (stage / kStages) & 1);
       src = reinterpret_cast<const T*>(stage_buffers + (stage % kStages) * kStageBytes);
     }
 #endif
-    float acc[kMaxStageRows];
-#pragma unroll
-    for (int r = 0; r < kMaxStageRows; ++r) {
-      acc[r] = 0.f;
-      if (r < nr) {
-#pragma unroll
-        for (int j = 0; j < KV; ++j) {
-          const int v = tid + j * kThreads;
-          if (v < k_vecs) {
-            float w[VEC];
-            vec16_to_float<T>(*reinterpret_cast<const uint4*>(src + r * a.k + v * VEC), w);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[r] += w[e] * xr[j][e];
-          }
-        }
-      }
-      acc[r] = gemv_warp_sum(acc[r]);
-      if (tid % WARP_SIZE == 0) partial[stage & 1][r][warp] = acc[r];
-    }
+    gemv_stage_partials<T, KV, kMaxStageRows, kThreads>(src, a.k, nr, xr, partial[stage & 1]);
     __syncthreads();  // the stage's buffer is read and its partial sums are written
-#if defined(PL_GEMV_BULK_COPY)
+#if defined(PL_BULK_COPY)
     if (staged && tid == 0 && stage + kStages < num_stages) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      bulk_fence_before_reuse();
       issue(stage + kStages);
     }
 #endif

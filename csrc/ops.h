@@ -287,4 +287,88 @@ struct GemvArgs {
 // out = weight @ x (+ bias), accumulated in float32 and rounded once.
 cudaError_t launch_gemv(GemvArgs args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// The one-token decode step of a Llama-family model in one launch (decode_step_kernel.cu).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kDecodeStepHeadSize = 128;
+constexpr int kDecodeStepMaxGqa = 8;          // query heads per kv head
+constexpr int kDecodeStepMaxHidden = 8192;
+constexpr int kDecodeStepMaxRingSlots = 6;    // 32 KB weight stages in flight per thread block
+constexpr int kDecodeStepPartitionTokens = 64;  // context tokens per attention unit, when possible
+
+// One decoder layer's weights (row-major [out, in], contiguous, 16-byte aligned) and KV cache.
+struct DecodeStepLayer {
+  const void* qkv_weight;         // [(num_heads + 2 * num_kv_heads) * 128, hidden]
+  const void* qkv_bias;           // [(num_heads + 2 * num_kv_heads) * 128] or nullptr
+  const void* o_weight;           // [hidden, num_heads * 128]
+  const void* gate_up_weight;     // [2 * intermediate, hidden] (gate rows, then up rows)
+  const void* down_weight;        // [hidden, intermediate]
+  const void* input_norm;         // [hidden]
+  const void* post_norm;          // [hidden]
+  void* key_cache;                // [num_blocks, block_size, num_kv_heads, 128], contiguous
+  void* value_cache;              // same
+};
+
+struct DecodeStepArgs {
+  ScalarType dtype;               // float16 or bfloat16: weights, caches, scratch
+  const DecodeStepLayer* layers;  // device array [num_layers]
+  int num_layers;
+  const void* embed;              // [vocab, hidden]
+  const void* final_norm;         // [hidden]
+  const void* lm_head;            // [vocab, hidden]
+  const void* cos;                // [max_positions, 128]
+  const void* sin;                // [max_positions, 128]
+  int64_t max_positions;
+  const int64_t* token;           // [1] device
+  const int64_t* position;        // [1]
+  const int64_t* slot;            // [1]; outside the cache (e.g. -1): nothing is written
+  const int32_t* seq_len;         // [1], including the new token
+  const int32_t* block_table;     // [max_blocks_per_seq]
+  int max_blocks_per_seq;
+  int64_t num_cache_blocks;
+  int block_shift;                // log2(block_size)
+  float* logits;                  // [vocab] float32 (the lm_head output rounded to dtype)
+  // scratch, dtype: qkv [(nq + 2 nkv) * 128], attn [nq * 128], o [hidden],
+  // gate_up [2 * intermediate], down [hidden]; float32: part_acc [max_partitions, nq, 128],
+  // part_max / part_sum [max_partitions, nq]
+  void* qkv_out;
+  void* attn_out;
+  void* o_out;
+  void* gate_up_out;
+  void* down_out;
+  float* part_acc;
+  float* part_max;
+  float* part_sum;
+  unsigned* counters;             // [2], zero before the first launch; the kernel leaves them zero
+  int hidden_size;
+  int intermediate_size;
+  int num_heads;
+  int num_kv_heads;
+  int64_t vocab_size;
+  int max_partitions;             // attention units per kv head, at most
+  int max_partition_size;         // tokens per unit, at most (a multiple of 16)
+  int ring_slots;                 // 2..kDecodeStepMaxRingSlots
+  float eps;                      // rms_norm epsilon
+  float scale;                    // attention scale
+};
+
+// Dynamic shared memory of one thread block of the decode step.
+inline int decode_step_shared_bytes(const DecodeStepArgs& a) {
+  const int gqa = a.num_kv_heads > 0 ? a.num_heads / a.num_kv_heads : 0;
+  // the weight ring, then either the linears' input (8 16-byte vectors per thread at most) or the
+  // attention's: the new token's k and v; per query head of a kv group its rotated q, its scores
+  // over a partition and the per-warp sums of its output (8 warps of 32 lanes at most)
+  const int attention = 4 * 2 * kDecodeStepHeadSize +
+      4 * gqa * (kDecodeStepHeadSize + a.max_partition_size + 8 * kDecodeStepHeadSize);
+  const int x = 8 * 16 * 256;
+  return a.ring_slots * 32 * 1024 + (attention > x ? attention : x);
+}
+
+// Runs the whole step (every layer, the final norm and the lm_head) for one sequence and one token,
+// one thread block per SM (all resident at once: the phases are separated by grid barriers).
+// Returns cudaErrorInvalidValue for shapes it does not support or when a block per SM can not be
+// resident.
+cudaError_t launch_decode_step(const DecodeStepArgs& args, cudaStream_t stream);
+
 }  // namespace pagedllm
