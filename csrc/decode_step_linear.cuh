@@ -143,7 +143,10 @@ __device__ __noinline__ uint32_t run_linear(const DecodeStepArgs& a, const Ring 
 #pragma unroll
   for (int j = 0; j < KV; ++j) vec16_to_float<T>(xs[tid + j * kThreads], x[j]);
   uint32_t consumed = ring.consumed;
-#if !defined(PL_BULK_COPY)
+#if defined(PL_BULK_COPY)
+  int slot = static_cast<int>(consumed % ring.slots);  // divisions once per linear, not per stage
+  uint32_t phase = (consumed / ring.slots) & 1u;
+#else
   (void)producer;
 #endif
 #pragma unroll 1
@@ -152,8 +155,7 @@ __device__ __noinline__ uint32_t run_linear(const DecodeStepArgs& a, const Ring 
     const int nr = min(l.stage_rows, l.rows - r0);
     const T* src = reinterpret_cast<const T*>(l.weight) + static_cast<int64_t>(r0) * l.k;
 #if defined(PL_BULK_COPY)
-    const int slot = static_cast<int>(consumed % ring.slots);
-    barrier_wait(&ring.arrived[slot], (consumed / ring.slots) & 1u);
+    barrier_wait(&ring.arrived[slot], phase);
     src = reinterpret_cast<const T*>(ring.buffers + slot * kStageBytes);
 #endif
     gemv_stage_partials<T, KV, kMaxStageRows, kThreads>(src, l.k, nr, x, partial[consumed & 1u]);
@@ -177,6 +179,12 @@ __device__ __noinline__ uint32_t run_linear(const DecodeStepArgs& a, const Ring 
       }
     }
     ++consumed;
+#if defined(PL_BULK_COPY)
+    if (++slot == ring.slots) {
+      slot = 0;
+      phase ^= 1u;
+    }
+#endif
   }
   return consumed;
 }

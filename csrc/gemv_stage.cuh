@@ -6,34 +6,75 @@
 
 namespace pagedllm {
 
-// Thread t multiplies its x vectors t + THREADS * j (16-bit elements as floats; only those below
-// k / 8 exist) with the same vectors of each of the stage's nr rows (row r at src + r * k), sums over
-// its warp, and leaves warp w's sum for row r in partial[r][w] (rows nr..ROWS-1 get 0).
+// Rows a stage of K = KV * 8 * THREADS (or fewer) elements holds at most: kStageBytes (32 KB) over
+// the row's bytes, at most 4 (gemv_stage_rows in gemv_kernels.cu). KV <= 2: 4, KV 3: 3, KV 4: 2,
+// longer rows: 1. The stage code is compiled for this many rows, so a stage never spends
+// instructions on rows it cannot have.
+template <int KV>
+struct GemvStageRows {
+  static constexpr int kMax = KV <= 2 ? 4 : (KV == 3 ? 3 : (KV == 4 ? 2 : 1));
+};
+
+// Thread t multiplies its x vectors t + THREADS * j (16-bit elements as floats) with the same vectors
+// of each of the stage's nr rows (row r at src + r * k), sums over its warp, and leaves warp w's sum
+// for row r in partial[r][w] (rows nr..ROWS-1 get 0). Vectors at or past k / 8 must have x = 0:
+// they multiply the row's last vector again (a valid address, and no branch around the load).
+//
+// Written for instruction-level parallelism, since one 8-warp block per SM leaves each scheduler two
+// warps to hide latency with: the loads of a pass are unconditional (rows past nr re-read row
+// nr - 1 and are discarded) so the compiler issues them ahead of the math, each (row, vector) pair
+// sums its 8 products in its own chain, and the rows' warp reductions run interleaved. A row's sum
+// is sum_j (sum_e w[j][e] * x[j][e]), then the butterfly over the warp. One pass of kRows rows
+// covers the stage unless x has more vectors than k needs (the decode step's o_proj).
 template <typename T, int KV, int ROWS, int THREADS>
 PL_DEVICE void gemv_stage_partials(const T* src, int k, int nr, const float (&x)[KV][8],
                                    float (&partial)[ROWS][THREADS / WARP_SIZE]) {
   static_assert(Vec16<T>::kElems == 8, "16-bit dtypes only");
+  constexpr int kRows = GemvStageRows<KV>::kMax < ROWS ? GemvStageRows<KV>::kMax : ROWS;
   const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % WARP_SIZE;
   const int k_vecs = k / 8;
-  float acc[ROWS];
+  for (int base = 0; base < nr; base += kRows) {
+    uint4 w[kRows][KV];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    acc[r] = 0.f;
-    if (r < nr) {
+    for (int r = 0; r < kRows; ++r) {
+      const T* row = src + static_cast<int64_t>(base + r < nr ? base + r : nr - 1) * k;
 #pragma unroll
       for (int j = 0; j < KV; ++j) {
         const int v = tid + j * THREADS;
-        if (v < k_vecs) {
-          float w[8];
-          vec16_to_float<T>(*reinterpret_cast<const uint4*>(src + r * k + v * 8), w);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r] += w[e] * x[j][e];
-        }
+        w[r][j] = *reinterpret_cast<const uint4*>(row + (v < k_vecs ? v : k_vecs - 1) * 8);
       }
     }
+    float acc[kRows];
 #pragma unroll
-    for (int off = WARP_SIZE / 2; off > 0; off /= 2) acc[r] += pl_shfl_xor(acc[r], off);
-    if (tid % WARP_SIZE == 0) partial[r][tid / WARP_SIZE] = acc[r];
+    for (int r = 0; r < kRows; ++r) {
+      float part[KV];
+#pragma unroll
+      for (int j = 0; j < KV; ++j) {
+        float wf[8];
+        vec16_to_float<T>(w[r][j], wf);
+        part[j] = wf[0] * x[j][0];
+#pragma unroll
+        for (int e = 1; e < 8; ++e) part[j] = fmaf(wf[e], x[j][e], part[j]);
+      }
+      acc[r] = part[0];
+#pragma unroll
+      for (int j = 1; j < KV; ++j) acc[r] += part[j];
+    }
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off /= 2) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] += pl_shfl_xor(acc[r], off);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (base + r < nr) partial[base + r][tid / WARP_SIZE] = acc[r];
+      }
+    }
+  }
+  if (lane == 0) {
+    for (int r = nr; r < ROWS; ++r) partial[r][tid / WARP_SIZE] = 0.f;
   }
 }
 
