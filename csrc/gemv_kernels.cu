@@ -41,6 +41,22 @@ PL_DEVICE float load_element(const pl_bf16* p) {
   return pl_uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
 }
 
+#if defined(PL_GEMV_TRACE)
+constexpr int64_t kTraceRecords = 1 << 16;
+__device__ unsigned long long trace_records[kTraceRecords][5];
+__device__ unsigned int trace_next;
+PL_DEVICE unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+PL_DEVICE unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#endif
+
 template <typename T, int KV>
 __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   constexpr int VEC = Vec16<T>::kElems;
@@ -53,6 +69,9 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   const int num_stages = (rows + stage_rows - 1) / stage_rows;
   const T* weight = static_cast<const T*>(a.weight) + row_begin * a.k;
   __shared__ float partial[2][kMaxStageRows][kWarps];
+#if defined(PL_GEMV_TRACE)
+  const unsigned long long t_entry = global_ns();
+#endif
 
 #if defined(PL_BULK_COPY)
   extern __shared__ __align__(128) unsigned char stage_buffers[];
@@ -76,6 +95,9 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
   // Everything above touches only the weights; x, bias and out may belong to earlier kernels.
   pl_wait_prior_grids();
   pl_release_dependents();
+#if defined(PL_GEMV_TRACE)
+  const unsigned long long t_wait = global_ns();
+#endif
 
   float xr[KV][VEC];
   const T* x = static_cast<const T*>(a.x);
@@ -116,6 +138,19 @@ __global__ void PL_LAUNCH_BOUNDS(kThreads) gemv_kernel(const GemvArgs a) {
       store_from_float(out + row_begin + r0 + tid, sum);
     }
   }
+#if defined(PL_GEMV_TRACE)
+  if (tid == 0) {
+    const unsigned slot = atomicAdd(&trace_next, 1u);
+    if (slot < kTraceRecords) {
+      unsigned long long* r = trace_records[slot];
+      r[0] = reinterpret_cast<unsigned long long>(a.weight);
+      r[1] = (static_cast<unsigned long long>(sm_id()) << 32) | blockIdx.x;
+      r[2] = t_entry;
+      r[3] = t_wait;
+      r[4] = global_ns();
+    }
+  }
+#endif
 }
 
 template <typename T, int KV>
@@ -171,6 +206,19 @@ int gemv_stage_rows(int k) {
 }
 
 }  // namespace
+
+#if defined(PL_GEMV_TRACE)
+cudaError_t gemv_trace_take(int64_t* host, int64_t max_records, int64_t* count) {
+  unsigned recorded = 0;
+  cudaError_t e = cudaMemcpyFromSymbol(&recorded, trace_next, sizeof(recorded));
+  if (e != cudaSuccess) return e;
+  *count = recorded < kTraceRecords ? recorded : kTraceRecords;
+  const int64_t n = *count < max_records ? *count : max_records;
+  if (n > 0) e = cudaMemcpyFromSymbol(host, trace_records, n * 5 * sizeof(int64_t));
+  const unsigned zero = 0;
+  return e != cudaSuccess ? e : cudaMemcpyToSymbol(trace_next, &zero, sizeof(zero));
+}
+#endif
 
 cudaError_t launch_gemv(GemvArgs a, cudaStream_t stream) {
   if (a.n == 0) return cudaSuccess;

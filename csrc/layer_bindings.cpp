@@ -201,9 +201,24 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+#if defined(PL_GEMV_TRACE)
+torch::Tensor gemv_trace() {
+  torch::Tensor out = torch::empty({1 << 16, 5}, torch::kInt64);
+  int64_t count = 0;
+  check_launch(pagedllm::gemv_trace_take(out.data_ptr<int64_t>(), out.size(0), &count),
+               "gemv_trace");
+  return out.narrow(0, 0, count < out.size(0) ? count : out.size(0)).clone();
+}
+#endif
+
 }  // namespace
 
 void register_layer_ops(pybind11::module_& m) {
+#if defined(PL_GEMV_TRACE)
+  m.def("gemv_trace", &gemv_trace,
+        "The GEMV blocks' records since the last call (-DPL_GEMV_TRACE builds): int64 [n, 5] of "
+        "weight address, sm << 32 | block, entry / wait-done / exit globaltimer ns.");
+#endif
   m.def("rms_norm", &rms_norm,
         "(weight * rmsnorm(h), h) for x [num_tokens, hidden_size], h = x + residual (or x).",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
