@@ -70,9 +70,9 @@ def main() -> None:
     names = linear_names(model)
     sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     prompt = {"prompt_token_ids": list(range(1, 129))}
-    llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     kernels.gemv_trace()  # drop the warm-up's records
-    llm.generate(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True),
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True),
                  use_tqdm=False)
     torch.cuda.synchronize()
     all_launches = [x for x in launches(kernels.gemv_trace()) if x["weight"] in names]

@@ -103,8 +103,11 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---- rms_norm ---------------------------------------------------------------------------------
 
+# rows of up to 1,024 accesses per block run from registers (csrc/layer_kernels.cu kRowUnits); 9000
+# and 1100 (scalar accesses, offset1) take the looping path
 NORM_CASES = [(1, 4096, "contiguous"), (7, 4096, "strided"), (37, 200, "contiguous"),
-              (7, 72, "strided"), (37, 72, "offset1"), (5, 13, "contiguous")]
+              (7, 72, "strided"), (37, 72, "offset1"), (5, 13, "contiguous"),
+              (3, 9000, "contiguous"), (2, 1100, "offset1")]
 
 
 @pytest.mark.parametrize("fixture", BACKENDS)
