@@ -23,17 +23,34 @@ PL_DEVICE void barrier_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// Queues `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst;
-// the barrier's current phase completes when they have arrived.
+// Weights stream through L2 once per step; marked evict-first there (-DPL_WEIGHTS_EVICT_FIRST=0
+// for plain loads) they do not push out the small tensors that the latency-bound kernels between
+// two GEMVs read (activations, the residual stream, norm weights, the KV cache).
+#ifndef PL_WEIGHTS_EVICT_FIRST
+#define PL_WEIGHTS_EVICT_FIRST 1
+#endif
+
+// Queues `bytes` of weights (a multiple of 16, both addresses 16-byte aligned) from global src to
+// shared dst; the barrier's current phase completes when they have arrived.
 PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
                "r"(bytes)
                : "memory");
+#if PL_WEIGHTS_EVICT_FIRST
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
+      "%2, [%3], %4;" ::"r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
+      : "memory");
+#else
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
+#endif
 }
 
 PL_DEVICE void barrier_wait(uint64_t* bar, uint32_t parity) {
