@@ -83,14 +83,25 @@ def test_many_streams_with_disconnects(server) -> None:
 
 
 def test_non_streaming_disconnect_aborts(server) -> None:
+    """The client hangs up once the server reports the request running (a fixed client timeout
+    raced the generation: a fast CPU finished the 480 tokens in under 0.3 s)."""
     before = server.metrics()
     body = {"model": "tiny", "prompt": "wait for me", "max_tokens": 480, "ignore_eos": True}
-    try:
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
-    except httpx.TimeoutException:
-        pass
-    else:
-        raise AssertionError("the request finished before the client hung up; make it longer")
+
+    async def hang_up_while_running() -> bool:
+        async with httpx.AsyncClient(timeout=60) as client:
+            post = asyncio.create_task(client.post(f"{server.base_url}/v1/completions", json=body))
+            while not post.done():
+                running = (await asyncio.to_thread(server.metrics))["pagedllm:num_requests_running"]
+                if running >= 1:
+                    post.cancel()  # closes the connection mid-request
+                    await asyncio.gather(post, return_exceptions=True)
+                    return True
+                await asyncio.sleep(0.002)
+            return False
+
+    assert asyncio.run(hang_up_while_running()), \
+        "the request finished before the client saw it running; make it longer"
     after = wait_for_idle(server)
     assert after["pagedllm:num_free_blocks"] == after["pagedllm:num_gpu_blocks"]
     aborted = after.get("pagedllm:request_success_total{abort}", 0) - before.get(
