@@ -76,18 +76,21 @@ def test_bad_half_route_names_the_variable_and_choices(half_route) -> None:
 
 @pytest.fixture
 def fp32_route(monkeypatch):
-    """Sets PAGEDLLM_CPU_FP32_LINEAR (None: unset) with a fresh cached check."""
-    yield _route_setter(monkeypatch, ops.FP32_LINEAR_ENV, ops.mkl_packed_linear_supported)
-    ops.mkl_packed_linear_supported.cache_clear()
+    """Sets PAGEDLLM_CPU_FP32_LINEAR (None: unset) with a fresh cached choice."""
+    yield _route_setter(monkeypatch, ops.FP32_LINEAR_ENV, ops.fp32_linear_route)
+    ops.fp32_linear_route.cache_clear()
 
 
-@pytest.mark.parametrize("route", ["mkl", "onednn"])
+@pytest.mark.parametrize("route", ["mkl", "onednn", None])
 def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) -> None:
     """One MKL packing serves every row count (1 to 2100, on both sides of its batch-size hint);
-    oneDNN's route where forced. float64 reference, bias or not."""
+    oneDNN's route where forced; unset, the faster of the two on this CPU. float64 reference,
+    bias or not."""
     fp32_route(route)
     if route == "mkl" and not ops.mkl_packed_linear_supported():
         pytest.skip("torch without MKL's packed sgemm (or its packing depends on the row count)")
+    chosen = ops.fp32_linear_route()
+    assert chosen == route if route else chosen in ops.FP32_LINEAR_CHOICES
     gen = torch.Generator().manual_seed(3)
     for bias in (False, True):
         layer = nn.Module()
@@ -95,15 +98,15 @@ def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) ->
         layer.bias = (nn.Parameter(torch.randn(300, generator=gen), requires_grad=False)
                       if bias else None)
         ops.linear_prepare(layer)
-        assert hasattr(layer, "mkl_weight") == (route == "mkl")
+        assert hasattr(layer, "mkl_weight") == (chosen == "mkl")
         for rows in (1, 3, 63, 64, 65, 255, 256, 257, 700, 2100):
             x = torch.randn(rows, 520, generator=gen)
             ref = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
             err = (ops.linear(x, layer).double() - ref).norm() / ref.norm()
-            assert err < 1e-6, (route, bias, rows, err)
+            assert err < 1e-6, (chosen, bias, rows, err)
 
 
 def test_bad_fp32_route_names_the_variable_and_choices(fp32_route) -> None:
     fp32_route("blas")
     with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_FP32_LINEAR='blas' is not one of"):
-        ops.mkl_packed_linear_supported()
+        ops.fp32_linear_route()

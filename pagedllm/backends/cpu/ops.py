@@ -1,15 +1,16 @@
 """Faster CPU ops: linears with weights pre-packed once at load time.
 
-float32 models: MKL's packed sgemm for every input (on the AVX-512/AMX machine of RESULTS.md
-~10% faster than oneDNN's packed weights at 64 rows, and a little faster than F.linear at
-prefill sizes). The packed layout does not depend on the batch-size hint it is packed with, only
-its speed does (a hint of 256 is as fast as 64 at 64 rows and faster above), so one packing
-serves every row count; ``mkl_packed_linear_supported`` checks that against F.linear once per
-process and the oneDNN route below runs where it fails. PAGEDLLM_CPU_FP32_LINEAR=onednn forces
-oneDNN. The MKL packing takes ~1.5x the weight's memory, on top of the weight itself.
+float32 models run MKL's packed sgemm or oneDNN's packed weights, whichever is faster on this CPU,
+decided once per process by timing both on a decode-sized GEMM (``fp32_linear_route``;
+PAGEDLLM_CPU_FP32_LINEAR=mkl or onednn forces one). The two differ by CPU: on the AMX Intel
+machine of RESULTS.md MKL was ~10% faster at 64 rows, on an AVX-512 AMD EPYC (Zen 4) oneDNN was
+1.35x faster end to end. MKL's packed layout does not depend on the batch-size hint it is packed
+with, only its speed does (a hint of 256 is as fast as 64 at 64 rows and faster above), so one
+packing serves every row count; ``mkl_packed_linear_supported`` checks that against F.linear once
+per process. The MKL packing takes ~1.5x the weight's memory, on top of the weight itself.
 
-Half-precision models, and float32 ones without MKL, run oneDNN's (mkldnn) packed weights. Half
-precision: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
+Half-precision models, and float32 ones on the oneDNN route, run oneDNN's (mkldnn) packed weights.
+Half precision: where oneDNN has no native bf16/fp16 GEMM (AVX2-only CPUs; torch's
 fallback runs ~20x slower than fp32), or has one that is slower than its float32 GEMM (AVX-512
 CPUs with the bf16 dot-product instructions but no AMX: 1.39x slower on the benchmark's decode
 shapes), the weights are packed as float32 (their values are exactly representable) and the input
@@ -24,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +41,6 @@ def mkl_packed_linear_supported() -> bool:
     """Whether torch has MKL's packed sgemm and a weight packed for one batch size computes any
     row count correctly (checked against F.linear; the plain weight passed beside the packing is
     zero, so a silent fallback to it would show)."""
-    choice = os.environ.get(FP32_LINEAR_ENV, "").strip().lower()
-    if choice and choice not in FP32_LINEAR_CHOICES:
-        raise ValueError(f"{FP32_LINEAR_ENV}={choice!r} is not one of {FP32_LINEAR_CHOICES}")
-    if choice == "onednn":
-        return False
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(80, 200, generator=gen)
@@ -58,6 +54,42 @@ def mkl_packed_linear_supported() -> bool:
         return True
     except (RuntimeError, AttributeError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_linear_route() -> str:
+    """"mkl" or "onednn": the route float32 linears take (see the module doc); "onednn" also
+    where neither runs (linear_prepare then leaves F.linear)."""
+    choice = os.environ.get(FP32_LINEAR_ENV, "").strip().lower()
+    if choice and choice not in FP32_LINEAR_CHOICES:
+        raise ValueError(f"{FP32_LINEAR_ENV}={choice!r} is not one of {FP32_LINEAR_CHOICES}")
+    if not mkl_packed_linear_supported():
+        return "onednn"
+    if choice or not onednn_linear_supported(torch.float32):
+        return choice or "mkl"
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2048, 1024, generator=gen)
+    x = torch.randn(64, 1024, generator=gen)
+    mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_PACK_BATCH_HINT)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+    times = _median_times({
+        "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, x.shape[0]),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+    })
+    return min(times, key=times.get)
+
+
+def _median_times(runs: dict[str, Callable[[], Any]], rounds: int = 7) -> dict[str, float]:
+    """Median seconds of each run, the runs timed in alternation after two warm-up rounds (which
+    create oneDNN's primitives)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(rounds + 2):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,38 +124,23 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype if choice == "native" else torch.float32
     if not onednn_linear_supported(torch.float32):
         return dtype
-    native, upcast = _time_routes(dtype)
-    return dtype if native <= upcast else torch.float32
-
-
-def _time_routes(dtype: torch.dtype, rounds: int = 7) -> tuple[float, float]:
-    """Median seconds of a 64 x 1024 @ 1024 x 2048 packed linear natively in ``dtype`` and
-    through float32 (input upcast, output rounded back), the two timed in alternation."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 1024, generator=gen).to(dtype)
     x = torch.randn(64, 1024, generator=gen).to(dtype)
-    packed = {c: torch.ops.mkldnn._reorder_linear_weight(w.to(c), 64)
+    packed = {c: torch.ops.mkldnn._reorder_linear_weight(w.to(c), _PACK_BATCH_HINT)
               for c in (dtype, torch.float32)}
 
-    def run(compute: torch.dtype) -> float:
-        start = time.perf_counter()
-        torch.ops.mkldnn._linear_pointwise(x.to(compute), packed[compute], None, "none", [],
-                                           "").to(dtype)
-        return time.perf_counter() - start
+    def run(compute: torch.dtype) -> Callable[[], Any]:
+        return lambda: torch.ops.mkldnn._linear_pointwise(x.to(compute), packed[compute], None,
+                                                          "none", [], "").to(dtype)
 
-    times: dict[torch.dtype, list[float]] = {dtype: [], torch.float32: []}
-    for i in range(rounds + 2):  # the first two rounds create oneDNN's primitives
-        for compute in times:
-            t = run(compute)
-            if i >= 2:
-                times[compute].append(t)
-    native, upcast = (sorted(v)[len(v) // 2] for v in times.values())
-    return native, upcast
+    times = _median_times({"native": run(dtype), "float32": run(torch.float32)})
+    return dtype if times["native"] <= times["float32"] else torch.float32
 
 
 def linear_prepare(layer: Any) -> None:
     weight = layer.weight.data
-    if weight.dtype == torch.float32 and weight.is_contiguous() and mkl_packed_linear_supported():
+    if weight.dtype == torch.float32 and weight.is_contiguous() and fp32_linear_route() == "mkl":
         layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_HINT)
         return
     compute = (weight.dtype if weight.dtype == torch.float32
