@@ -4,14 +4,14 @@ launch of a few engine steps, from a kernel build with -DPL_GEMV_TRACE.
     PAGEDLLM_KERNEL_FLAGS=-DPL_GEMV_TRACE python benchmarks/gemv_trace.py \\
         --model .carry/llama3-8b-shape --load-format dummy
 
-For each linear (qkv, o_proj, gate_up, down, lm_head), averaged over the layers of the traced
-steps, in microseconds (medians): `chain`, from the previous GEMV's last block exit to this GEMV's first
+For each linear (qkv, o_proj, gate_up, down, lm_head), over the layers of the traced steps, the
+median in microseconds of: `chain`, from the previous GEMV's last block exit to this GEMV's first
 block passing its dependency wait (the kernels in between and the launch hand-offs); `run`, from
 that first wait to this GEMV's last exit; `ideal`, its weight bytes at --bandwidth; `skew`, last
-minus first block exit; `late`, last minus first block passing the wait; `resident`, from the previous GEMV's last exit to this
-GEMV's last block entering (its blocks take an SM only when the previous GEMV's leave). The
-step's first GEMV is listed apart: its chain is the step boundary (sampling, the next step's
-inputs, the graph launch).
+minus first block exit; `late`, last minus first block passing the wait; `resident`, from the
+previous GEMV's last exit to this GEMV's last block entering (its blocks take an SM only when the
+previous GEMV's leave). The step's first GEMV is listed apart: its chain is the step boundary
+(sampling, the next step's inputs, the graph launch).
 """
 from __future__ import annotations
 
@@ -70,10 +70,12 @@ def main() -> None:
     names = linear_names(model)
     sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     prompt = {"prompt_token_ids": list(range(1, 129))}
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    llm.generate(prompt, greedy(16), use_tqdm=False)
     kernels.gemv_trace()  # drop the warm-up's records
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(prompt, greedy(args.steps + 8), use_tqdm=False)
     torch.cuda.synchronize()
     all_launches = [x for x in launches(kernels.gemv_trace()) if x["weight"] in names]
     # the decode steps: from the 2nd lm_head on (the prefill's GEMVs are not one-token GEMVs)
@@ -98,14 +100,15 @@ def main() -> None:
     print(f"{len(span) - 1} GEMV launches over {n_steps} steps; {steps:.0f} us per step (medians "
           f"over the launches; per step: the means)")
     cols = ["chain", "run", "ideal", "skew", "late", "resident"]
-    print("| linear | n | " + " | ".join(f"{c} us" for c in cols) + " | per step us (chain + run) |")
+    print("| linear | n | " + " | ".join(f"{c} us" for c in cols) +
+          " | per step us (chain + run) |")
     print("|---|---:|" + "---:|" * (len(cols) + 1))
     total = 0.0
     for kind, s in stats.items():
-        mean = {c: statistics.median(s[c]) / 1e3 for c in cols}
+        median = {c: statistics.median(s[c]) / 1e3 for c in cols}
         per_step = (sum(s["chain"]) + sum(s["run"])) / 1e3 / n_steps
         total += per_step
-        print(f"| {kind} | {len(s['chain'])} | " + " | ".join(f"{mean[c]:.2f}" for c in cols) +
+        print(f"| {kind} | {len(s['chain'])} | " + " | ".join(f"{median[c]:.2f}" for c in cols) +
               f" | {per_step:.0f} |")
     print(f"sum of chain + run per step: {total:.0f} us")
 

@@ -40,8 +40,8 @@ PL_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* b
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
-      "%2, [%3], %4;" ::"r"(shared_address(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
       : "memory");
 #else

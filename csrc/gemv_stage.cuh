@@ -15,13 +15,14 @@ struct GemvStageRows {
   static constexpr int kMax = KV <= 2 ? 4 : (KV == 3 ? 3 : (KV == 4 ? 2 : 1));
 };
 
-// Thread t multiplies its x vectors t + THREADS * j (16-bit elements as floats) with the same vectors
-// of each of the stage's nr rows (row r at src + r * k), sums over its warp, and leaves warp w's sum
-// for row r in partial[r][w] (rows nr..ROWS-1 get 0). Vectors at or past k / 8 must have x = 0:
-// they multiply the row's last vector again (a valid address, and no branch around the load).
+// Thread t multiplies its x vectors t + THREADS * j (16-bit elements as floats) with the same
+// vectors of each of the stage's nr rows (row r at src + r * k), sums over its warp, and leaves
+// warp w's sum for row r in partial[r][w] (rows nr..ROWS-1 get 0). Vectors at or past k / 8 must
+// have x = 0: they multiply the row's last vector again (a valid address, no branch around the
+// load).
 //
-// Written for instruction-level parallelism, since one 8-warp block per SM leaves each scheduler two
-// warps to hide latency with: the loads of a pass are unconditional (rows past nr re-read row
+// Written for instruction-level parallelism, since one 8-warp block per SM leaves each scheduler
+// two warps to hide latency with: the loads of a pass are unconditional (rows past nr re-read row
 // nr - 1 and are discarded) so the compiler issues them ahead of the math, each (row, vector) pair
 // sums its 8 products in its own chain, and the rows' warp reductions run interleaved. A row's sum
 // is sum_j (sum_e w[j][e] * x[j][e]), then the butterfly over the warp. One pass of kRows rows

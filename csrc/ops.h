@@ -287,9 +287,9 @@ struct GemvArgs {
 // out = weight @ x (+ bias), accumulated in float32 and rounded once.
 cudaError_t launch_gemv(GemvArgs args, cudaStream_t stream);
 #if defined(PL_GEMV_TRACE)
-// Timing build (-DPL_GEMV_TRACE, CUDA only): every GEMV block records {weight, sm << 32 | block, entry, wait
-// done, exit} (%globaltimer ns); copies up to max_records of them (5 int64 each) to host memory,
-// sets *count to how many were recorded, and starts the record anew.
+// Timing build (-DPL_GEMV_TRACE, CUDA only): every GEMV block records {weight, sm << 32 | block,
+// entry, wait done, exit} (%globaltimer ns); copies up to max_records of them (5 int64 each) to
+// host memory, sets *count to how many were recorded, and starts the record anew.
 cudaError_t gemv_trace_take(int64_t* host, int64_t max_records, int64_t* count);
 #endif
 
