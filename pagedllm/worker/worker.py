@@ -93,8 +93,9 @@ class Worker:
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
                                   self.config.model.seed, ops.greedy_logprobs)
 
-    def profile_run(self) -> None:
-        """One forward + sample at the largest batch the scheduler may send (for memory sizing).
+    def profile_run(self, max_tokens: int | None = None) -> None:
+        """One forward + sample at the largest batch the scheduler may send (for memory sizing),
+        or at ``max_tokens`` tokens where that is smaller.
 
         Uses a throwaway cache just big enough for the dummy batch.
         """
@@ -103,7 +104,7 @@ class Worker:
 
         sched = self.config.scheduler
         bs = self.config.cache.block_size
-        tokens = sched.max_num_batched_tokens
+        tokens = min(sched.max_num_batched_tokens, max_tokens or sched.max_num_batched_tokens)
         num_seqs = max(1, min(sched.max_num_seqs, tokens))
         # no sequence is longer than the model (its positions index the rotary tables)
         tokens = min(tokens, num_seqs * self.config.model.max_model_len)

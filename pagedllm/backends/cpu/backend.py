@@ -11,6 +11,7 @@ from pagedllm.backends.interface import Backend, Capabilities
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.models.layers.ops import Ops
+    from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 ATTENTION_CHOICES = ("native", "torch", "ipex")
@@ -71,6 +72,11 @@ class CpuBackend(Backend):
 
         for name, fn in layer_ops(kernels).items():
             ops.register(name, fn)
+
+    def worker_cls(self) -> type[Worker]:
+        from pagedllm.backends.cpu.worker import CpuWorker
+
+        return CpuWorker
 
 
 _fallback_logged = False

@@ -1,0 +1,20 @@
+"""The cpu worker: the base worker, plus a heap that keeps what a step frees (heap.py) and one
+full-size step at start-up, so the first real step finds the heap grown and oneDNN's primitives
+for that batch built instead of faulting pages in while a request waits."""
+from __future__ import annotations
+
+from pagedllm.backends.cpu.heap import keep_freed_memory
+from pagedllm.worker.worker import Worker
+
+# The start-up step's size cap: the default token budget (a long-context model's budget of tens
+# of thousands of tokens would take minutes on a CPU, for a batch that seldom comes).
+WARMUP_MAX_TOKENS = 2048
+
+
+class CpuWorker(Worker):
+    def load_model(self) -> None:
+        keep_freed_memory()
+        super().load_model()
+
+    def after_cache_init(self) -> None:
+        self.profile_run(WARMUP_MAX_TOKENS)
