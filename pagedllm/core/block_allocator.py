@@ -9,7 +9,9 @@ class BlockAllocator:
     """Hands out block ids from a fixed pool of ``num_blocks``.
 
     Every block is in exactly one of three states:
-      - free: ref 0, no content hash; in ``_free``;
+      - free: ref 0, no content hash; in ``_free``, the most recently freed first, so a new
+        block reuses memory that is warm in the caches and already mapped (a lazily mapped
+        cpu KV cache would otherwise fault fresh pages in on every run through the pool);
       - cached-idle: ref 0 but registered under a content hash; in ``_evictor`` (LRU order,
         least recently freed first) and reusable by a prefix hit or evictable for a new block;
       - in use: ref >= 1 (registered or not).
@@ -84,7 +86,7 @@ class BlockAllocator:
             if self._hash_of[block] is not None:
                 self._evictor[block] = None  # most recently used goes last
             else:
-                self._free.append(block)
+                self._free.appendleft(block)
 
     def register(self, block: int, key: Hashable) -> None:
         """Record that ``block`` holds the content ``key`` (a full, computed block)."""

@@ -30,6 +30,17 @@ def test_allocator_free_and_double_free() -> None:
         a.free(blocks[0])
 
 
+def test_allocator_hands_out_the_most_recently_freed_block_first() -> None:
+    # a freed block's memory is warm and mapped; untouched blocks of the pool come after
+    a = BlockAllocator(8)
+    first = [a.allocate() for _ in range(4)]
+    a.free(first[1])
+    a.free(first[3])
+    assert a.allocate() == first[3]
+    assert a.allocate() == first[1]
+    assert a.allocate() not in first
+
+
 def test_allocate_covers_tokens_and_free_returns_all() -> None:
     bm = BlockManager(block_size=4, num_device_blocks=10)
     s = seq(0, list(range(10)))
