@@ -18,8 +18,11 @@ from pagedllm.backends.cpu.heap import KEEP_FREED_MEMORY_ENV
 from pagedllm.backends.cpu.worker import WARMUP_MAX_TOKENS, CpuWorker
 from pagedllm.worker.host_memory import lazy_zeros
 
-# A child process: apply the setting, then count the page faults of a 48 MiB tensor made, freed
-# and made again (over glibc's largest mmap threshold, so by default it is unmapped on free).
+# A child process: apply the setting, then count the page faults of a 48 MiB tensor made and
+# freed, round after round (over glibc's largest mmap threshold, so by default each is mapped
+# and unmapped again). With freed memory kept, glibc's heap grows for the first rounds (a
+# 64-byte-aligned request does not fit the exact hole a freed one leaves until holes coalesce),
+# then serves every round from pages already mapped: the last rounds count.
 _FAULTS_SCRIPT = """
 import json, resource, torch
 from pagedllm.backends.cpu.heap import keep_freed_memory
@@ -28,8 +31,8 @@ def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.empty(12 << 20).fill_(1.0)  # 48 MiB, freed at once
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults()
-print(json.dumps({"applied": applied, "faults": faults()}))
+rounds = [faults() for _ in range(16)]
+print(json.dumps({"applied": applied, "faults": sum(rounds[-4:]), "rounds": rounds}))
 """
 
 
@@ -51,14 +54,14 @@ glibc = pytest.mark.skipif(ctypes.util.find_library("c") is None
 def test_freed_memory_is_reused_without_page_faults() -> None:
     kept = _faults_after_reuse(None)
     assert kept["applied"] is True
-    assert kept["faults"] < 1000, kept  # 48 MiB in 4 KiB pages would be ~12k faults
+    assert kept["faults"] < 1000, kept  # 4 x 48 MiB in 4 KiB pages would be ~49k faults
 
 
 @glibc
 def test_environment_turns_keeping_freed_memory_off() -> None:
     default = _faults_after_reuse("0")
     assert default["applied"] is False
-    assert default["faults"] > 5000, default  # glibc's default: unmapped, faulted in again
+    assert default["faults"] > 40000, default  # glibc's default: unmapped, faulted again
 
 
 def _vm_flags(address: int) -> list[str]:

@@ -5,9 +5,11 @@ MB) is an mmap that munmap hands back when the tensor dies, and the next step fa
 pages in again, zeroed, one 4 KiB page at a time. On the 2-core VM of benchmarks/RESULTS.md a
 page fault costs ~5 us, and a 64-prompt float32 run took ~140k of them (0.4-1 s of system time
 in a 7 s run). Keeping freed memory (no mmap for allocations, no trimming of the heap's top)
-takes that to ~50 once the heap has grown to a step's peak; the price is that the process keeps
-its peak heap until it exits, as an engine that owns its process does anyway (vLLM's CPU docs
-ask for tcmalloc, which caches freed memory likewise).
+takes that to ~50 once the heap has grown to a step's peak (a few steps: a 64-byte-aligned
+request does not fit the exact hole a freed one leaves until holes coalesce). The price is that
+the process keeps its peak heap until it exits (the benchmark's 99M-parameter model: 1,405 MB
+resident instead of 1,299), as an engine that owns its process does anyway (vLLM's CPU docs ask
+for tcmalloc, which caches freed memory likewise).
 
 Applied once per process by the cpu worker (``keep_freed_memory``); glibc only (other C
 libraries have no mallopt, and nothing changes); PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns it off.
