@@ -6,15 +6,16 @@
 #include <type_traits>
 
 #include "dtype_convert.cuh"
+#include "gemv_stage.cuh"
 #include "ops.h"
 
 namespace pagedllm {
 namespace decode_step_detail {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kGemvThreads;  // the stage geometry is the GEMV's (gemv_stage.cuh)
 constexpr int kWarps = kThreads / WARP_SIZE;
-constexpr int kStageBytes = 32 * 1024;
-constexpr int kMaxStageRows = 4;
+constexpr int kStageBytes = kGemvStageBytes;
+constexpr int kMaxStageRows = kGemvMaxStageRows;
 constexpr int kVec = 8;                      // elements of a 16-byte vector (16-bit dtypes)
 // Vectors per thread (vector j of thread t: elements (t + 256 j) * 8 ...): the kernel is compiled for
 // HV (hidden size, and q size for o_proj) and IV (intermediate size) in these sets, rounded up, so

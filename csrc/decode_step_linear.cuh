@@ -22,11 +22,6 @@ struct Linear {
   bool f32_out;                 // the lm_head: float32 logits of the dtype-rounded sums
 };
 
-PL_DEVICE int stage_rows_for(int k) {
-  const int rows = kStageBytes / (k * 2);
-  return rows < 1 ? 1 : (rows > kMaxStageRows ? kMaxStageRows : rows);
-}
-
 // Linear `index` of the step: layer * 4 + (0 qkv, 1 o_proj, 2 gate_up, 3 down); num_layers * 4 is
 // the lm_head. Rows are split over the blocks as the GEMV kernel splits them.
 template <typename T>
@@ -74,7 +69,7 @@ __device__ __noinline__ Linear linear_of(const DecodeStepArgs& a, int index) {
   l.row0 = static_cast<int64_t>(blockIdx.x) * n / gridDim.x;
   l.rows = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * n / gridDim.x - l.row0);
   l.k = k;
-  l.stage_rows = stage_rows_for(k);
+  l.stage_rows = gemv_stage_rows(k);
   l.stages = (l.rows + l.stage_rows - 1) / l.stage_rows;
   l.weight = static_cast<const unsigned char*>(weight) + l.row0 * k * static_cast<int64_t>(sizeof(T));
   l.bias = bias;

@@ -25,16 +25,16 @@
 namespace pagedllm {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kGemvThreads;
 constexpr int kWarps = kThreads / WARP_SIZE;
 // Stages in flight per block; -DPL_GEMV_STAGES=N for A/B runs. At 3 (96 KB) two blocks fit an SM,
 // so the next GEMV's block can start streaming beside the previous GEMV's block (cuda_compat.h).
 #ifndef PL_GEMV_STAGES
 #define PL_GEMV_STAGES 5
 #endif
-constexpr int kStageBytes = 32 * 1024;
+constexpr int kStageBytes = kGemvStageBytes;
 constexpr int kStages = PL_GEMV_STAGES;
-constexpr int kMaxStageRows = 4;
+constexpr int kMaxStageRows = kGemvMaxStageRows;
 
 PL_DEVICE float load_element(const pl_half* p) { return __half2float(*p); }
 PL_DEVICE float load_element(const pl_bf16* p) {
@@ -197,12 +197,6 @@ int multiprocessors() {
     return 0;
   }
   return count;
-}
-
-// Whole rows per stage: as many as fit kStageBytes, at most kMaxStageRows.
-int gemv_stage_rows(int k) {
-  const int rows = kStageBytes / (k * 2);
-  return rows < 1 ? 1 : (rows > kMaxStageRows ? kMaxStageRows : rows);
 }
 
 }  // namespace

@@ -6,14 +6,33 @@
 
 namespace pagedllm {
 
-// Rows a stage of K = KV * 8 * THREADS (or fewer) elements holds at most: kStageBytes (32 KB) over
-// the row's bytes, at most 4 (gemv_stage_rows in gemv_kernels.cu). KV <= 2: 4, KV 3: 3, KV 4: 2,
-// longer rows: 1. The stage code is compiled for this many rows, so a stage never spends
-// instructions on rows it cannot have.
-template <int KV>
-struct GemvStageRows {
-  static constexpr int kMax = KV <= 2 ? 4 : (KV == 3 ? 3 : (KV == 4 ? 2 : 1));
-};
+// A weight stage's geometry, shared by the GEMV kernel and the one-launch decode step: a stage
+// holds up to kGemvStageBytes of whole rows, at most kGemvMaxStageRows of them, read by
+// kGemvThreads threads (8 16-bit elements per thread per vector).
+constexpr int kGemvThreads = 256;
+constexpr int kGemvStageBytes = 32 * 1024;
+constexpr int kGemvMaxStageRows = 4;
+
+// Whole rows of K 16-bit elements per stage: as many as fit kGemvStageBytes, 1 to
+// kGemvMaxStageRows.
+__host__ __device__ constexpr int gemv_stage_rows(int k) {
+  const int rows = kGemvStageBytes / (k * 2);
+  return rows < 1 ? 1 : (rows > kGemvMaxStageRows ? kGemvMaxStageRows : rows);
+}
+
+// The most rows a stage has for any K that threads hold in KV vectors each, i.e. the shortest
+// such K, (KV - 1) * THREADS + 1 vectors (KV <= 2: 4, KV 3: 3, KV 4: 2, longer rows: 1). The
+// stage code is compiled for this many rows, so a stage never spends instructions on rows it
+// cannot have.
+template <int KV, int THREADS>
+__host__ __device__ constexpr int gemv_max_stage_rows() {
+  return gemv_stage_rows(((KV - 1) * THREADS + 1) * 8);
+}
+static_assert(gemv_max_stage_rows<2, kGemvThreads>() == 4 &&
+                  gemv_max_stage_rows<3, kGemvThreads>() == 3 &&
+                  gemv_max_stage_rows<4, kGemvThreads>() == 2 &&
+                  gemv_max_stage_rows<5, kGemvThreads>() == 1,
+              "stage rows per vector count");
 
 // Thread t multiplies its x vectors t + THREADS * j (16-bit elements as floats) with the same
 // vectors of each of the stage's nr rows (row r at src + r * k), sums over its warp, and leaves
@@ -31,7 +50,8 @@ template <typename T, int KV, int ROWS, int THREADS>
 PL_DEVICE void gemv_stage_partials(const T* src, int k, int nr, const float (&x)[KV][8],
                                    float (&partial)[ROWS][THREADS / WARP_SIZE]) {
   static_assert(Vec16<T>::kElems == 8, "16-bit dtypes only");
-  constexpr int kRows = GemvStageRows<KV>::kMax < ROWS ? GemvStageRows<KV>::kMax : ROWS;
+  constexpr int kMaxRows = gemv_max_stage_rows<KV, THREADS>();
+  constexpr int kRows = kMaxRows < ROWS ? kMaxRows : ROWS;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % WARP_SIZE;
   const int k_vecs = k / 8;
