@@ -104,7 +104,9 @@ class Worker:
 
         sched = self.config.scheduler
         bs = self.config.cache.block_size
-        tokens = min(sched.max_num_batched_tokens, max_tokens or sched.max_num_batched_tokens)
+        tokens = sched.max_num_batched_tokens
+        if max_tokens is not None:
+            tokens = min(tokens, max_tokens)
         num_seqs = max(1, min(sched.max_num_seqs, tokens))
         # no sequence is longer than the model (its positions index the rotary tables)
         tokens = min(tokens, num_seqs * self.config.model.max_model_len)

@@ -20,7 +20,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
+
+from pagedllm.backends.cpu.kernels import env_turned_off
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,11 @@ _TOP_PAD_BYTES = 64 << 20  # the heap grows in 64 MiB steps: fewer brk calls whi
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: ~2 GiB of free heap top before a trim
 
 
-def keep_freed_memory_disabled() -> bool:
-    return os.environ.get(KEEP_FREED_MEMORY_ENV, "").strip().lower() in ("0", "false", "off", "no")
-
-
 @functools.lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to serve every allocation from its heap and never shrink it; True when
     applied (glibc and not turned off by the environment)."""
-    if keep_freed_memory_disabled():
+    if env_turned_off(KEEP_FREED_MEMORY_ENV):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

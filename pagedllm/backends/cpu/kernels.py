@@ -43,9 +43,14 @@ _ops: Any = None
 _error: str | None = None
 
 
+def env_turned_off(name: str) -> bool:
+    """True when the environment variable ``name`` is 0 / false / off / no."""
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+
+
 def cpu_kernels_disabled() -> bool:
     """True when $PAGEDLLM_CPU_KERNELS is 0 / false / off / no."""
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("0", "false", "off", "no")
+    return env_turned_off(ENABLE_ENV)
 
 
 def compile_flags(library: str = "pagedllm_cpu") -> list[str]:

@@ -70,9 +70,7 @@ def fp32_linear_route() -> str:
         return "onednn"
     if choice or not onednn_linear_supported(torch.float32):
         return choice or "mkl"
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(2048, 1024, generator=gen)
-    x = torch.randn(64, 1024, generator=gen)
+    w, x = _probe_operands(torch.float32)
     mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_PACK_BATCH_HINT)
     onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
     times = _median_times({
@@ -83,6 +81,13 @@ def fp32_linear_route() -> str:
     logger.info("float32 linears on %s (a 64-row GEMM: mkl %.3f ms, onednn %.3f ms; %s forces "
                 "one)", route, times["mkl"] * 1e3, times["onednn"] * 1e3, FP32_LINEAR_ENV)
     return route
+
+
+def _probe_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes' timing probe, a decode-sized linear: weight [2048, 1024], input [64, 1024]."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2048, 1024, generator=gen).to(dtype),
+            torch.randn(64, 1024, generator=gen).to(dtype))
 
 
 def _median_times(runs: dict[str, Callable[[], Any]], rounds: int = 7) -> dict[str, float]:
@@ -130,9 +135,7 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype if choice == "native" else torch.float32
     if not onednn_linear_supported(torch.float32):
         return dtype
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(2048, 1024, generator=gen).to(dtype)
-    x = torch.randn(64, 1024, generator=gen).to(dtype)
+    w, x = _probe_operands(dtype)
     packed = {c: torch.ops.mkldnn._reorder_linear_weight(w.to(c), _PACK_BATCH_HINT)
               for c in (dtype, torch.float32)}
 
