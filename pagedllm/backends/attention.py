@@ -63,13 +63,23 @@ class AttentionImpl(ABC):
 
     name = "base"
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        """``sliding_window``: a query at position p attends to keys at positions > p - window
+        (None: all); ``logits_soft_cap``: scores become cap * tanh(scores / cap) before the
+        softmax (None: off); ``kv_cache_dtype``: "auto" (the model dtype) or a declared
+        ``Capabilities.kv_cache_dtypes`` entry such as "fp8". Models pass these keywords only
+        when set, so an implementation written for plugin API 1.x still builds plain layers."""
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
 
     @staticmethod
     @abstractmethod

@@ -39,6 +39,17 @@ class Capabilities:
     # the worker's launch_model returns before the device finishes, so the engine schedules and
     # launches step N+1 (inputs taken from step N's device-side draws) while step N runs
     async_output: bool = False
+    # --- attention limits (plugin API 2.0); the conformance suite sweeps what is declared ---------
+    head_sizes: tuple[int, ...] = (64, 128)  # head sizes the attention handles
+    max_gqa_group: int | None = None  # largest num_heads // num_kv_heads (None: any)
+    max_context_len: int | None = None  # longest sequence the attention was built for (None: any)
+    # optional attention arguments models need (AttentionImpl kwargs): "sliding_window",
+    # "logits_soft_cap"; a model needing one the backend lacks is refused, the feature named
+    attention_features: tuple[str, ...] = ()
+    # quantization methods whose linear the backend runs ("awq", "gptq", "compressed-tensors",
+    # "fp8"); the engine refuses others, naming the backends that support them
+    quantizations: tuple[str, ...] = ()
+    pipeline_parallel: bool = False  # runs stages of a pipeline (activations sent between ranks)
 
     def summary(self) -> str:
         flags = [name for name in ("graphs", "swap", "static_shapes", "prefix_caching",
