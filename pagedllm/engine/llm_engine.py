@@ -16,6 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.base import make_executor
+from pagedllm.models.registry import check_model_supported
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.worker.pending import PendingOutputs
@@ -46,6 +47,7 @@ class LLMEngine:
         self.backend = resolve_backend(config.device)
         config.device = self.backend.name
         self.backend.check_and_update_config(config)
+        check_model_supported(config.model.hf_config, self.backend)  # before any loading
         self.tokenizer = get_tokenizer(config.model.tokenizer)
         self.eos_token_ids = stop_token_ids_of(self.tokenizer, config.model.model)
         self.executor = make_executor(config, self.backend)

@@ -48,6 +48,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_serve,
     _add_module("pagedllm.entrypoints.generate_cmd"),
     _add_module("pagedllm.entrypoints.backends_cmd"),
+    _add_module("pagedllm.entrypoints.models_cmd"),
     _add_module("pagedllm.entrypoints.bench_cmd"),
 ]
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import glob
-import importlib
 import logging
 import os
 from collections.abc import Iterator
@@ -13,31 +12,9 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.embedding import ParallelLMHead
 from pagedllm.models.layers.linear import LayerContext, LinearBase
+from pagedllm.models.registry import MODEL_REGISTRY, model_class, resolve_architecture  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-# HF architecture name -> "module:Class"
-MODEL_REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "pagedllm.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "pagedllm.models.llama:Qwen2ForCausalLM",
-    "OPTForCausalLM": "pagedllm.models.opt:OPTForCausalLM",
-}
-
-
-def resolve_architecture(hf_config: object) -> str:
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in MODEL_REGISTRY:
-            return arch
-    raise ValueError(f"model architecture {archs or '(none in config.json)'} is not supported; "
-                     f"supported architectures: {', '.join(MODEL_REGISTRY)}")
-
-
-def _model_class(arch: str) -> type[nn.Module]:
-    module, _, name = MODEL_REGISTRY[arch].partition(":")
-    return getattr(importlib.import_module(module), name)
-
 
 def iterate_checkpoint(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) pairs from safetensors files, or from .bin files with weights_only=True."""
@@ -82,7 +59,7 @@ def prepare_linears(model: nn.Module, ctx: LayerContext) -> None:
 
 def load_model(model_config: ModelConfig, ctx: LayerContext) -> nn.Module:
     arch = resolve_architecture(model_config.hf_config)
-    cls = _model_class(arch)
+    cls = model_class(arch)
     model = cls(model_config.hf_config, ctx, max_positions=model_config.max_model_len)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
