@@ -4,66 +4,102 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
-from typing import Any, get_type_hints
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
+from pagedllm.config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES
+from pagedllm.engine.arg_cli import add_dataclass_args, dataclass_kwargs
 
 DEMO_MODEL = "pagedllm-demo"
 
 
 @dataclass
 class EngineArgs:
-    model: str = DEMO_MODEL
-    tokenizer: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    num_gpu_blocks_override: int | None = None
-    kv_cache_space_gib: float | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
-    swap_space: float = 4.0
-    preemption_mode: str | None = None
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-    load_format: str = "auto"
-    scheduling_policy: str = "fcfs"
-    distributed_executor_backend: str | None = None
-    attention_backend: str | None = None
-    disable_async_output_proc: bool = False
+    model: str = field(default=DEMO_MODEL, metadata={
+        "help": "Local Hugging Face checkpoint folder (config.json + safetensors or .bin), or "
+                "'pagedllm-demo', the built-in model. No hub downloads."})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "Tokenizer folder (default: the model's folder)."})
+    device: str = field(default="auto", metadata={
+        "help": "Hardware backend: auto (the first available of cuda, rocm, tpu, xpu, hpu, "
+                "cpu), one of those, or an installed plugin's name; 'pagedllm backends' lists "
+                "what is available here."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Weight and activation dtype; auto takes the checkpoint's torch_dtype where the "
+                "backend supports it.",
+        "choices": DTYPES})
+    block_size: int = field(default=16, metadata={
+        "help": "Tokens per KV-cache block.",
+        "choices": (1, 2, 4, 8, 16, 32, 64, 128)})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "Longest prompt plus output, in tokens (default: the model's "
+                "max_position_embeddings)."})
+    max_num_seqs: int = field(default=256, metadata={
+        "help": "Most sequences scheduled in one step."})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "Most tokens scheduled in one step (default: max(max_model_len, 2048), or 2048 "
+                "with chunked prefill)."})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "Use this many KV-cache blocks instead of sizing the cache from free memory."})
+    kv_cache_space_gib: float | None = field(default=None, metadata={
+        "help": "KV-cache size in GiB (the cpu backend's sizing; default there: 4)."})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "Fraction of device memory for weights, activations and the KV cache, in (0, "
+                "1]."})
+    enable_prefix_caching: bool = field(default=False, metadata={
+        "help": "Reuse the KV-cache blocks of prompt prefixes shared between requests."})
+    enable_chunked_prefill: bool = field(default=False, metadata={
+        "help": "Split long prompts over steps, batched with running decodes."})
+    swap_space: float = field(default=4.0, metadata={
+        "help": "Host memory in GiB per device for KV blocks swapped out by preemption."})
+    preemption_mode: str | None = field(default=None, metadata={
+        "help": "What a sequence group preempted for lack of KV-cache space does: recompute "
+                "(drop its blocks, prefill again) or swap (to host memory; default recompute).",
+        "choices": ("recompute", "swap")})
+    seed: int = field(default=0, metadata={
+        "help": "Random seed for sampling and dummy weights."})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "Number of devices the model is sharded over."})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "Run every step eagerly; capture no graphs (CUDA graphs, HPU graphs)."})
+    load_format: str = field(default="auto", metadata={
+        "help": "Weight format: auto (safetensors, else .bin), safetensors, pt, or dummy "
+                "(random weights).",
+        "choices": LOAD_FORMATS})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs: first come, first served; priority: lower request priority values first.",
+        "choices": SCHEDULING_POLICIES})
+    distributed_executor_backend: str | None = field(default=None, metadata={
+        "help": "How workers run with tensor_parallel_size > 1: uni (this process), mp (worker "
+                "processes; the default) or ray (Ray actors).",
+        "choices": ("uni", "mp", "ray")})
+    attention_backend: str | None = field(default=None, metadata={
+        "help": "A backend's attention implementation (cpu: native, torch, ipex; cuda/rocm: "
+                "kernels, torch; tpu: xla; xpu: ipex; default: the backend's own)."})
+    disable_async_output_proc: bool = field(default=False, metadata={
+        "help": "Wait for each step's tokens before scheduling the next (cuda/rocm launch step "
+                "N+1 while step N runs by default)."})
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """Every field as a kebab-case flag (``--max-model-len``); bools are switches."""
-        hints = get_type_hints(cls)
-        for f in fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            hint = str(hints[f.name])
-            if hints[f.name] is bool or hint.startswith("bool"):
-                parser.add_argument(flag, action="store_true", default=f.default)
-                continue
-            kind = int if "int" in hint else float if "float" in hint else str
-            parser.add_argument(flag, type=kind, default=f.default)
+        """Every field as a kebab-case flag (``--max-model-len``) with the help text, default and
+        choices of its metadata (pagedllm/engine/arg_cli.py); bools are switches."""
+        add_dataclass_args(parser, cls, skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        return cls(**dataclass_kwargs(cls, args))
 
     # --- config --------------------------------------------------------------------------
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path)
-        model = ModelConfig(model=model_path, tokenizer=resolve_model_path(self.tokenizer or self.model),
+        tokenizer = (resolve_model_path(self.tokenizer, "tokenizer") if self.tokenizer
+                     else model_path)
+        model = ModelConfig(model=model_path, tokenizer=tokenizer,
                             dtype=self.dtype, seed=self.seed, load_format=self.load_format,
                             hf_config=hf_config)
         model.max_model_len = derive_max_model_len(hf_config, self.max_model_len)
@@ -92,19 +128,21 @@ class EngineArgs:
 
 @dataclass
 class AsyncEngineArgs(EngineArgs):
-    disable_log_requests: bool = False
+    disable_log_requests: bool = field(default=False, metadata={
+        "help": "Do not log each request's arrival and end."})
 
 
-def resolve_model_path(model: str) -> str:
-    """A local folder; the name ``pagedllm-demo`` is the built-in model. No hub downloads."""
+def resolve_model_path(model: str, name: str = "model") -> str:
+    """A local folder; the name ``pagedllm-demo`` is the built-in model. No hub downloads.
+    ``name`` is the argument the path came from, for the error."""
     if model == DEMO_MODEL:
         from pagedllm.models.demo import demo_model_path
 
         return demo_model_path()
     path = os.path.expanduser(model)
     if not os.path.isdir(path):
-        raise ValueError(f"model={model!r} is not a local folder; pagedllm loads Hugging Face "
-                         f"checkpoints from disk only (or use model={DEMO_MODEL!r})")
+        raise ValueError(f"{name}={model!r} is not a local folder; pagedllm loads Hugging Face "
+                         f"checkpoints from disk only (or use {name}={DEMO_MODEL!r})")
     return path
 
 

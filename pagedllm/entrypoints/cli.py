@@ -54,7 +54,10 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from pagedllm.version import __version__
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm command line")
+    parser.add_argument("-v", "--version", action="version", version=__version__)  # as vLLM's
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)

@@ -6,11 +6,14 @@ positional MODEL or ``--model`` (either; both must agree).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.engine.arg_utils import DEMO_MODEL, AsyncEngineArgs, EngineArgs
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -41,48 +44,56 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $PAGEDLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients use; the first is reported (default: MODEL)")
-    server.add_argument("--max-n", type=int, default=16, help="largest n / best_of per request")
+                        help="model name(s) clients use; the first is reported (default: MODEL). "
+                             "Give MODEL before this flag (or use --model): a MODEL after it is "
+                             "taken as MODEL when it is a path")
+    server.add_argument("--max-n", type=int, default=16,
+                        help="largest n / best_of per request (default 16)")
     server.add_argument("--max-logprobs", type=int, default=20,
-                        help="largest logprobs / top_logprobs per request")
+                        help="largest logprobs / top_logprobs per request (default 20)")
     server.add_argument("--max-request-body-bytes", type=int, default=4 * MiB,
                         help="larger request bodies get 413 (default 4 MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     server.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template (file path or inline) overriding the tokenizer's")
+                        help="a Jinja chat template (file path or inline) overriding the "
+                             "tokenizer's (default: the tokenizer's)")
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
                         help="run the engine in the server's process (a thread) instead of its "
                              "own process")
     server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    server.add_argument("--disable-uvicorn-access-log", action="store_true")
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level (default info)")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access log line per HTTP request")
     add_engine_args(parser.add_argument_group("engine"), AsyncEngineArgs, skip=("model",))
     return parser
 
 
 def add_engine_args(parser: Any, cls: type[EngineArgs] = AsyncEngineArgs,
                     skip: tuple[str, ...] = ()) -> None:
-    """``cls.add_cli_args``, with every bool field a switch (``--enable-prefix-caching``).
+    """Every field of ``cls`` as a flag, with its help, default and choices."""
+    cls.add_cli_args(parser, skip=skip)
 
-    EngineArgs.add_cli_args decides switches from the string of the type hint, which is
-    ``"<class 'bool'>"`` for a plain ``bool``; the bool fields are added here first so they are
-    switches whatever that method does with them.
-    """
-    hints = get_type_hints(cls)
-    bools = tuple(f.name for f in fields(cls) if f.name not in skip and hints[f.name] is bool)
-    for name in bools:
-        default = getattr(cls, name)
-        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=default)
-    cls.add_cli_args(parser, skip=(*skip, *bools))
+
+def _is_path(value: str) -> bool:
+    """A local folder, or spelled as a path (not a hub-style ``org/name`` served name)."""
+    return (os.path.isdir(os.path.expanduser(value))
+            or value.startswith(("/", "./", "../", "~")))
 
 
 def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    names = args.served_model_name
+    if not args.model_tag and not args.model and names and len(names) > 1 and _is_path(names[-1]):
+        # `serve --served-model-name NAME /path/ckpt`: nargs="+" took the positional MODEL too
+        args.model_tag = names.pop()
+        logger.info("MODEL %r came after --served-model-name; serving it as %s", args.model_tag,
+                    names)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     return args.model_tag or args.model or DEMO_MODEL

@@ -1,0 +1,72 @@
+"""``--help`` of every command lists every engine flag with its help text, default and choices;
+``--version``. The flags come from EngineArgs' field metadata (pagedllm/engine/arg_cli.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from pagedllm.entrypoints.cli import make_parser
+from pagedllm.version import __version__
+
+
+def _subparser(command: str):
+    parser = make_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[command]
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
+@pytest.mark.parametrize("command, cls", [("serve", AsyncEngineArgs), ("generate", EngineArgs),
+                                          ("bench", EngineArgs)])
+def test_every_engine_field_has_help_default_and_choices(command: str, cls: type) -> None:
+    actions = {s: a for a in _subparser(command)._actions for s in a.option_strings}
+    for f in dataclasses.fields(cls):
+        if f.name == "model" and command == "serve":
+            continue  # the positional MODEL (and --model) of serve
+        action = actions.get(_flag(f))
+        assert action is not None, f"{command} has no {_flag(f)}"
+        assert f.metadata.get("help"), f"EngineArgs.{f.name} has no metadata help"
+        assert action.help.startswith(f.metadata["help"].rstrip(".")), action.help
+        assert "default" in action.help.lower(), f"{_flag(f)} help shows no default"
+        if f.metadata.get("choices"):
+            shown = ", ".join(str(c) for c in f.metadata["choices"] if c is not None)
+            assert f"Choices: {shown}." in action.help
+            assert tuple(action.choices) == tuple(c for c in f.metadata["choices"] if c is not None)
+
+
+def test_field_without_metadata_still_gets_a_flag() -> None:
+    import argparse
+
+    from pagedllm.engine.arg_cli import add_dataclass_args, dataclass_kwargs
+
+    @dataclasses.dataclass
+    class Args:
+        plain: int | None = None
+        names: list[str] = dataclasses.field(default_factory=list)
+        on: bool = True
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, Args)
+    ns = parser.parse_args(["--plain", "3", "--names", "a,b", "--no-on"])
+    assert dataclass_kwargs(Args, ns) == {"plain": 3, "names": ["a", "b"], "on": False}
+
+
+def test_help_output_lists_every_flag_and_version() -> None:
+    env = dict(os.environ, COLUMNS="200")
+    out = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--help"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for f in dataclasses.fields(EngineArgs):
+        assert _flag(f) in out.stdout
+    assert "Default: 16." in out.stdout and "Choices: auto, float32, float16, bfloat16." in out.stdout
+    ver = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--version"],
+                         capture_output=True, text=True, timeout=120)
+    assert ver.returncode == 0 and ver.stdout.strip() == __version__
