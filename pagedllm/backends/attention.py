@@ -4,8 +4,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
+
+ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap")
 
 
 @dataclass
@@ -62,6 +65,20 @@ class AttentionImpl(ABC):
     """
 
     name = "base"
+    # the optional attention arguments (ATTENTION_FEATURES) this class's own prefill and decode
+    # honour. Not inherited: a subclass states its own (``__init_subclass__`` resets it to ()),
+    # since one that overrides decode with a kernel may no longer honour what its parent did.
+    supported_features: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "supported_features" not in vars(cls):
+            cls.supported_features = ()
+
+    @classmethod
+    def missing_features(cls, needed: tuple[str, ...] | list[str]) -> list[str]:
+        """The entries of ``needed`` this class does not declare in ``supported_features``."""
+        return [f for f in needed if f not in cls.supported_features]
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, *,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -73,6 +90,17 @@ class AttentionImpl(ABC):
         when set, so an implementation written for plugin API 1.x still builds plain layers."""
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        asked = [name for name, value in (("sliding_window", sliding_window),
+                                          ("logits_soft_cap", logits_soft_cap)) if value is not None]
+        missing = self.missing_features(asked)
+        if missing:
+            raise ValueError(f"the {self.name!r} attention ({type(self).__name__}) does not "
+                             f"support {', '.join(missing)}; it supports: "
+                             f"{', '.join(self.supported_features) or 'none of ' + str(ATTENTION_FEATURES)}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be a positive number or None")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads

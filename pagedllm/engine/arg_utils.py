@@ -164,7 +164,8 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     if limit is None:
         limit = 2048
     window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True):
+    if (isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True)
+            and not _runs_sliding_window(hf_config)):
         limit = min(limit, window)  # attention equals full attention within the window
     if requested is None:
         return limit
@@ -172,3 +173,12 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
         raise ValueError(f"max_model_len={requested!r} is invalid: must be an integer in "
                          f"[1, {limit}] for this model")
     return requested
+
+
+def _runs_sliding_window(hf_config: Any) -> bool:
+    """Whether the registered model class of this config applies its sliding window (else the
+    model length is capped to the window, where full attention equals windowed attention)."""
+    from pagedllm.models.registry import MODEL_REGISTRY
+
+    archs = getattr(hf_config, "architectures", None) or []
+    return any("sliding_window" in MODEL_REGISTRY[a].features for a in archs if a in MODEL_REGISTRY)

@@ -1,4 +1,5 @@
-"""Llama family over the paged cache: Llama 2/3, Mistral (no sliding window), TinyLlama, Qwen2."""
+"""Llama family over the paged cache: Llama 2/3, Mistral and Qwen2 (with their sliding windows),
+TinyLlama."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
-from pagedllm.models.layers.attention import Attention
+from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
                                            QKVParallelLinear, RowParallelLinear)
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, ctx: LayerContext, rotary: RotaryEmbedding,
-                 biases: tuple[bool, bool]) -> None:
+                 biases: tuple[bool, bool], sliding_window: int | None = None) -> None:
         super().__init__()
         qkv_bias, o_bias = biases
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
         self.ctx = ctx
         self.rotary = rotary
         self.attn = Attention(self.qkv_proj.num_heads, head_size, self.qkv_proj.num_kv_heads,
-                              head_size ** -0.5, ctx)
+                              head_size ** -0.5, ctx, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -70,11 +71,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, ctx: LayerContext, rotary: RotaryEmbedding,
-                 biases: tuple[bool, bool]) -> None:
+                 biases: tuple[bool, bool], sliding_window: int | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx)
-        self.self_attn = LlamaAttention(config, ctx, rotary, biases)
+        self.self_attn = LlamaAttention(config, ctx, rotary, biases, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx)
         self.mlp = LlamaMLP(config, ctx)
 
@@ -108,8 +109,10 @@ class LlamaForCausalLM(nn.Module):
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.rotary = RotaryEmbedding(config, head_size, max_positions, ctx.dtype, ctx.device)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, ctx, self.rotary, biases)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(config, ctx, self.rotary, biases,
+                              layer_sliding_window(config, i, max_positions))
+            for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
@@ -144,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with biases on the q/k/v projections (and usually tied embeddings)."""
+    """Llama with biases on the q/k/v projections (and usually tied embeddings); with
+    ``use_sliding_window`` the layers from ``max_window_layers`` on run the sliding window
+    (``config.layer_types``)."""
 
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
@@ -152,4 +157,4 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral without a sliding window (the model length is capped to the window)."""
+    """Llama with a sliding window on every layer (``config.sliding_window``, None: off)."""

@@ -48,8 +48,9 @@ class ModelEntry:
 # HF architecture name -> entry. New families: one line here (docs/adding_a_model.md).
 MODEL_REGISTRY: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("pagedllm.models.llama:LlamaForCausalLM"),
-    "MistralForCausalLM": ModelEntry("pagedllm.models.llama:MistralForCausalLM"),
-    "Qwen2ForCausalLM": ModelEntry("pagedllm.models.llama:Qwen2ForCausalLM"),
+    "MistralForCausalLM": ModelEntry("pagedllm.models.llama:MistralForCausalLM",
+                                     ("sliding_window",)),
+    "Qwen2ForCausalLM": ModelEntry("pagedllm.models.llama:Qwen2ForCausalLM", ("sliding_window",)),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM"),
 }
 

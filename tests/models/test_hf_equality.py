@@ -10,6 +10,13 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "mistral", "opt"]
+# case -> (family, config overrides): sliding windows smaller than every long prompt, on every
+# layer (Mistral) or from max_window_layers on (Qwen2)
+CASES: dict[str, tuple[str, dict]] = {arch: (arch, {}) for arch in ARCHS}
+CASES.update({
+    "mistral_window6": ("mistral", dict(sliding_window=6)),
+    "qwen2_window5": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+})
 MAX_TOKENS = 20
 MODES = {
     "plain": dict(),
@@ -44,17 +51,18 @@ def hf_greedy(path: str, ps: list[list[int]]) -> list[list[int]]:
 def reference(checkpoint_factory):
     cache: dict[str, list[list[int]]] = {}
 
-    def get(arch: str) -> tuple[str, list[list[int]]]:
-        path = checkpoint_factory(arch)
-        if arch not in cache:
-            cache[arch] = hf_greedy(path, prompts())
-        return path, cache[arch]
+    def get(case: str) -> tuple[str, list[list[int]]]:
+        family, overrides = CASES[case]
+        path = checkpoint_factory(family, **overrides)
+        if case not in cache:
+            cache[case] = hf_greedy(path, prompts())
+        return path, cache[case]
 
     return get
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", list(CASES))
 def test_greedy_matches_transformers(arch: str, mode: str, reference) -> None:
     path, expected = reference(arch)
     llm = LLM(path, device="cpu", dtype="float32", **MODES[mode])

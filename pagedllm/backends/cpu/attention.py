@@ -25,8 +25,31 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch
     return g[0], g[1]
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, kvH, L, D], mask [B, 1, Q, L] (True: visible) -> [B, H, Q, D].
+
+    Without a soft cap this is SDPA. With one, transformers' eager arithmetic: scores = q k^T *
+    scale, then cap * tanh(scores / cap), then the mask, a float32 softmax and the product with v
+    (query head h reads kv head h // (H / kvH)). Every row sees at least one key (itself).
+    """
+    group = q.shape[1] // k.shape[1]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=group != 1)
+    if group != 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchPagedAttention(AttentionImpl):
     name = "torch"
+    supported_features = ("sliding_window", "logits_soft_cap")
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -51,13 +74,15 @@ class TorchPagedAttention(AttentionImpl):
                metadata: AttentionMetadata) -> torch.Tensor:
         k, v = gather_kv(kv_cache, metadata.decode_block_tables)  # [B, kvH, L, D]
         b, length = k.shape[0], k.shape[2]
-        mask = (torch.arange(length, device=query.device)[None, :]
-                < metadata.decode_seq_lens[:, None])  # [B, L]
+        k_pos = torch.arange(length, device=query.device)[None, :]
+        seq_lens = metadata.decode_seq_lens[:, None]
+        mask = k_pos < seq_lens  # [B, L]; the query sits at position seq_len - 1
+        if self.sliding_window is not None:
+            mask &= k_pos > seq_lens - 1 - self.sliding_window
         # The query heads of a kv group as the group's query rows: [B, kvH, H / kvH, D]. Same
         # attention as GQA over repeated K/V, without materializing the repeats.
         q = query.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
-                                             scale=self.scale)
+        out = masked_attention(q, k, v, mask[:, None, None, :], self.scale, self.logits_soft_cap)
         return out.reshape(b, self.num_heads, -1)
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -81,8 +106,10 @@ class TorchPagedAttention(AttentionImpl):
         k_pos = torch.arange(length, device=dev)[None, None, :]
         seq_lens = metadata.prefill_seq_lens.long()[:, None, None]
         mask = (k_pos <= q_pos) & (k_pos < seq_lens)  # [P, Qmax, L]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [P, H, Qmax, D]
+        if self.sliding_window is not None:
+            # a padded query row (q_pos >= seq_len) may see no key: its NaN row is dropped below
+            mask &= k_pos > q_pos - self.sliding_window
+        out = masked_attention(q, k, v, mask[:, None], self.scale,
+                               self.logits_soft_cap)  # [P, H, Qmax, D]
         out = out.transpose(1, 2).reshape(p * qmax, self.num_heads, self.head_size)
         return out[flat_idx]

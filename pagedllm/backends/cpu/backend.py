@@ -24,6 +24,9 @@ class CpuBackend(Backend):
     default_dtype = "float32"
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=False, prefix_caching=True,
                                 chunked_prefill=True,
+                                # the torch attention has both; attention_cls picks it when the
+                                # model needs one the native kernels do not declare
+                                attention_features=("sliding_window", "logits_soft_cap"),
                                 dtypes=("float32", "bfloat16", "float16"))
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
@@ -33,8 +36,24 @@ class CpuBackend(Backend):
         return True, "always available"
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
-        """"native" (the default where its kernels build), "torch" (the reference) or "ipex"."""
+        """"native" (the default where its kernels build), "torch" (the reference) or "ipex".
+
+        The default is "torch" for a model needing an attention feature (sliding window, soft
+        cap) the native kernels do not declare; an explicit choice lacking one is refused."""
         choice = config.attention_backend or _default_attention()
+        cls = self._attention_by_name(choice)
+        needed = _features_needed(config)
+        missing = cls.missing_features(needed)
+        if missing and config.attention_backend is None and choice != "torch":
+            logger.info("cpu: the %s attention lacks %s; running the torch attention",
+                        choice, ", ".join(missing))
+            return self._attention_by_name("torch")
+        if missing:
+            raise ValueError(f"attention_backend={choice!r} does not support {', '.join(missing)} "
+                             f"(needed by this model); use attention_backend='torch'")
+        return cls
+
+    def _attention_by_name(self, choice: str) -> type[AttentionImpl]:
         if choice == "native":  # C++ decode (csrc/cpu); raises with the reason if it cannot build
             from pagedllm.backends.cpu.kernels import load_cpu_kernels
             from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
@@ -96,6 +115,16 @@ def _cpu_kernels() -> Any:
             logger.log(logging.INFO if cpu_kernels_disabled() else logging.WARNING,
                        "the cpu backend runs the torch reference attention and layer ops: %s", exc)
         return None
+
+
+def _features_needed(config: EngineConfig) -> tuple[str, ...]:
+    """The attention features the configured model needs (models/registry.py)."""
+    from pagedllm.models.registry import MODEL_REGISTRY
+
+    hf_config = getattr(getattr(config, "model", None), "hf_config", None)
+    archs = [a for a in getattr(hf_config, "architectures", None) or [] if a in MODEL_REGISTRY]
+    # an unknown architecture is refused by the engine (registry.check_model_supported)
+    return MODEL_REGISTRY[archs[0]].features_needed(hf_config) if archs else ()
 
 
 def _default_attention() -> str:
