@@ -40,8 +40,10 @@ class Capabilities:
     # launches step N+1 (inputs taken from step N's device-side draws) while step N runs
     async_output: bool = False
     # --- attention limits (plugin API 2.0); the conformance suite sweeps what is declared ---------
+    # Safe defaults: what a port is expected to handle anyway; the suite sweeps 32..256 and GQA
+    # groups 1-8 and reports each undeclared value NOT DECLARED, so declare only what passes.
     head_sizes: tuple[int, ...] = (64, 128)  # head sizes the attention handles
-    max_gqa_group: int | None = None  # largest num_heads // num_kv_heads (None: any)
+    max_gqa_group: int | None = 8  # largest num_heads // num_kv_heads (None: any)
     max_context_len: int | None = None  # longest sequence the attention was built for (None: any)
     # optional attention arguments models need (AttentionImpl kwargs): "sliding_window",
     # "logits_soft_cap"; a model needing one the backend lacks is refused, the feature named
@@ -119,6 +121,7 @@ class Backend(ABC):
         if model.dtype not in caps.dtypes:
             raise ValueError(f"dtype={model.dtype!r} is not supported by the {self.name} backend; "
                              f"supported: {', '.join(caps.dtypes)}")
+        _check_quantization(self.name, caps, config)
         if config.cache.block_size not in caps.block_sizes:
             raise ValueError(f"block_size={config.cache.block_size} is not supported by the "
                              f"{self.name} backend; supported: {caps.block_sizes}")
@@ -186,3 +189,17 @@ class BackendInfo:
             return self.cls.availability()
         except Exception as exc:  # a plugin bug must not break the table
             return False, f"availability() raised {type(exc).__name__}: {exc}"
+
+
+def _check_quantization(backend: str, caps: Capabilities, config: EngineConfig) -> None:
+    """Resolve the model's quantization method (the checkpoint's, or the forced one) and refuse
+    one the backend does not run, or a KV-cache dtype it lacks."""
+    from pagedllm.models.layers.quantization import check_backend_support, resolve_method
+
+    model = config.model
+    model.quantization = resolve_method(model.hf_config, model.quantization)
+    check_backend_support(model.quantization, backend, caps.quantizations)
+    cache_dtype = config.cache.cache_dtype
+    if cache_dtype != "auto" and cache_dtype not in caps.kv_cache_dtypes:
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported by the {backend} "
+                         f"backend; supported: {', '.join(caps.kv_cache_dtypes)}")

@@ -35,22 +35,42 @@ def tolerance(dtype: str) -> dict[str, float]:
     return {"atol": atol, "rtol": rtol}
 
 
-def tiny_hf_config(num_heads: int, num_kv_heads: int, head_size: int) -> Any:
-    """A one-layer Llama config with the given attention shape (what attention_cls may inspect)."""
+def tiny_hf_config(num_heads: int, num_kv_heads: int, head_size: int,
+                   sliding_window: int | None = None, logits_soft_cap: float | None = None
+                   ) -> Any:
+    """A one-layer Llama-shaped config with the given attention shape (what attention_cls may
+    inspect). With an attention feature, it names an architecture the model registry lists as
+    using that feature and sets the HF attribute that turns it on, so a backend's
+    ``attention_cls`` sees the model needing it, as in a real run."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=259, hidden_size=num_heads * head_size, head_dim=head_size,
-                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                       num_hidden_layers=1, intermediate_size=64, max_position_embeddings=4096)
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    needed = {f for f, v in features.items() if v is not None}
+    arch = "LlamaForCausalLM"
+    if needed:
+        from pagedllm.models.registry import MODEL_REGISTRY
+
+        arch = next((a for a, e in MODEL_REGISTRY.items() if needed <= set(e.features)), arch)
+    config = LlamaConfig(vocab_size=259, hidden_size=num_heads * head_size, head_dim=head_size,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         num_hidden_layers=1, intermediate_size=64,
+                         max_position_embeddings=8192, architectures=[arch])
+    if sliding_window is not None:
+        config.sliding_window, config.use_sliding_window = sliding_window, True
+    if logits_soft_cap is not None:
+        config.attn_logit_softcapping = logits_soft_cap
+    return config
 
 
 def raw_config(backend: Backend, *, dtype: str, block_size: int, num_heads: int = 4,
-               num_kv_heads: int = 2, head_size: int = 64, **features: Any) -> EngineConfig:
+               num_kv_heads: int = 2, head_size: int = 64, sliding_window: int | None = None,
+               logits_soft_cap: float | None = None, **features: Any) -> EngineConfig:
     """An EngineConfig for one attention shape, not yet seen by the backend. ``features``:
     enable_prefix_caching, enable_chunked_prefill, preemption_mode."""
-    hf_config = tiny_hf_config(num_heads, num_kv_heads, head_size)
+    hf_config = tiny_hf_config(num_heads, num_kv_heads, head_size, sliding_window,
+                               logits_soft_cap)
     model = ModelConfig(model="pagedllm-conformance", tokenizer="pagedllm-conformance",
-                        dtype=dtype, max_model_len=4096, hf_config=hf_config)
+                        dtype=dtype, max_model_len=8192, hf_config=hf_config)
     cache = CacheConfig(block_size=block_size,
                         enable_prefix_caching=features.pop("enable_prefix_caching", False))
     sched = SchedulerConfig(max_num_seqs=16, **features)
@@ -67,15 +87,23 @@ def make_config(backend: Backend, **kwargs: Any) -> EngineConfig:
 
 
 def make_attention(backend: Backend, *, dtype: str, block_size: int, num_heads: int,
-                   num_kv_heads: int, head_size: int) -> AttentionImpl:
-    """The backend's attention implementation for this shape, built as a model layer builds it."""
+                   num_kv_heads: int, head_size: int, scale: float | None = None,
+                   **attn_kwargs: Any) -> AttentionImpl:
+    """The backend's attention implementation for this shape, built as a model layer builds it.
+
+    ``scale`` defaults to head_size ** -0.5; ``attn_kwargs`` (sliding_window, logits_soft_cap,
+    kv_cache_dtype) are passed only when given, as models pass them."""
     config = make_config(backend, dtype=dtype, block_size=block_size, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, head_size=head_size)
+                         num_kv_heads=num_kv_heads, head_size=head_size,
+                         sliding_window=attn_kwargs.get("sliding_window"),
+                         logits_soft_cap=attn_kwargs.get("logits_soft_cap"))
     cls = backend.attention_cls(config)
     if not (isinstance(cls, type) and issubclass(cls, AttentionImpl)):
         raise TypeError(f"{type(backend).__name__}.attention_cls() returned {cls!r}, which is not "
                         "an AttentionImpl subclass")
-    return cls(num_heads, head_size, num_kv_heads, head_size ** -0.5)
+    kwargs = {k: v for k, v in attn_kwargs.items() if v is not None}
+    return cls(num_heads, head_size, num_kv_heads,
+               head_size ** -0.5 if scale is None else scale, **kwargs)
 
 
 def cache_shape(impl: AttentionImpl, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -46,8 +46,12 @@ class PagedBatch:
     @staticmethod
     def random(specs: list[SeqSpec], *, num_heads: int, num_kv_heads: int, head_size: int,
                block_size: int, dtype: torch.dtype, device: torch.device,
-               generator: torch.Generator, spare_blocks: int = 3) -> PagedBatch:
-        """Fresh random inputs (rounded to ``dtype``) laid out in a shuffled block pool."""
+               generator: torch.Generator, spare_blocks: int = 3,
+               magnitudes: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> PagedBatch:
+        """Fresh random inputs (rounded to ``dtype``) laid out in a shuffled block pool.
+
+        ``magnitudes`` multiply the standard-normal Q, K and V (dtype-edge inputs: scores that
+        need a max-subtracted softmax, values beyond a narrower type's range)."""
         needed = [-(-s.seq_len // block_size) for s in specs]
         num_blocks = sum(needed) + spare_blocks
         pool = torch.randperm(num_blocks, generator=generator).tolist()
@@ -56,16 +60,32 @@ class PagedBatch:
             tables.append(pool[at:at + n])
             at += n
 
-        def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(shape, generator=generator).to(dtype).to(device)
+        def rand(mag: float, *shape: int) -> torch.Tensor:
+            return (torch.randn(shape, generator=generator) * mag).to(dtype).to(device)
 
+        qm, km, vm = magnitudes
         t = sum(s.query_len for s in specs)
         return PagedBatch(
             specs=specs, block_size=block_size, num_blocks=num_blocks, block_tables=tables,
-            query=rand(t, num_heads, head_size), key=rand(t, num_kv_heads, head_size),
-            value=rand(t, num_kv_heads, head_size),
-            context_keys=[rand(s.context_len, num_kv_heads, head_size) for s in specs],
-            context_values=[rand(s.context_len, num_kv_heads, head_size) for s in specs])
+            query=rand(qm, t, num_heads, head_size), key=rand(km, t, num_kv_heads, head_size),
+            value=rand(vm, t, num_kv_heads, head_size),
+            context_keys=[rand(km, s.context_len, num_kv_heads, head_size) for s in specs],
+            context_values=[rand(vm, s.context_len, num_kv_heads, head_size) for s in specs])
+
+    def reordered(self, order: list[int]) -> PagedBatch:
+        """The same sequences (inputs, block tables) in another batch order. ``order`` lists old
+        sequence indices; multi-token entries must still come first (the metadata's layout)."""
+        rows, at = [], 0
+        for s in self.specs:
+            rows.append(slice(at, at + s.query_len))
+            at += s.query_len
+        pick = lambda t: torch.cat([t[rows[i]] for i in order])  # noqa: E731
+        return PagedBatch(
+            specs=[self.specs[i] for i in order], block_size=self.block_size,
+            num_blocks=self.num_blocks, block_tables=[self.block_tables[i] for i in order],
+            query=pick(self.query), key=pick(self.key), value=pick(self.value),
+            context_keys=[self.context_keys[i] for i in order],
+            context_values=[self.context_values[i] for i in order])
 
     # --- metadata ------------------------------------------------------------------------
     def _scheduled(self, seq_id: int, start: int, n: int) -> ScheduledSeq:
@@ -106,7 +126,8 @@ class PagedBatch:
         return out.view(t, impl.num_heads, impl.head_size)
 
     # --- reference -----------------------------------------------------------------------
-    def reference(self, scale: float) -> torch.Tensor:
+    def reference(self, scale: float, *, sliding_window: int | None = None,
+                  soft_cap: float | None = None) -> torch.Tensor:
         """float64 causal attention of each query over its sequence; [T, H, D] on the CPU."""
         outs, row = [], 0
         for i, s in enumerate(self.specs):
@@ -114,20 +135,31 @@ class PagedBatch:
             k = torch.cat([self.context_keys[i].cpu(), self.key[rows].cpu()]).double()
             v = torch.cat([self.context_values[i].cpu(), self.value[rows].cpu()]).double()
             outs.append(reference_attention(self.query[rows].cpu().double(), k, v,
-                                            s.context_len, scale))
+                                            s.context_len, scale, sliding_window=sliding_window,
+                                            soft_cap=soft_cap))
             row += s.query_len
         return torch.cat(outs)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None,
+                        soft_cap: float | None = None) -> torch.Tensor:
     """q [n, H, D] at positions start..start+n-1; k/v [start+n, kvH, D]; causal; GQA by
-    repeating each kv head for H // kvH consecutive query heads. Returns [n, H, D]."""
+    repeating each kv head for H // kvH consecutive query heads. Returns [n, H, D].
+
+    ``sliding_window``: a query at position p sees keys at positions > p - window (and <= p).
+    ``soft_cap``: the scaled scores s become cap * tanh(s / cap) before the softmax.
+    """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, n, L]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = start + torch.arange(q.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if sliding_window is not None:
+        hidden = hidden | (k_pos <= q_pos - sliding_window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

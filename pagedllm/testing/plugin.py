@@ -70,6 +70,11 @@ def _in_suite(item: pytest.Item) -> bool:
 
 # --- capabilities --------------------------------------------------------------------------
 def has_capability(caps: Capabilities, name: str) -> bool:
+    from pagedllm.testing.sweep import has_limit
+
+    limit = has_limit(caps, name)  # head_size:N, gqa_group:N, feature:X, kv_cache:X
+    if limit is not None:
+        return limit
     if name.startswith("dtype:"):
         return name[6:] in caps.dtypes
     if name == "cached_context":  # prefill over KV already in the cache
@@ -142,6 +147,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                  block_sizes_to_test(cls.capabilities.block_sizes,
                                      cls.capabilities.preferred_block_size))
         metafunc.parametrize("conformance_block_size", sizes, ids=[f"bs{s}" for s in sizes])
+    _parametrize_sweep(metafunc)
+
+
+def _parametrize_sweep(metafunc: pytest.Metafunc) -> None:
+    """The declared-limits dimensions (sweep.py): every declared block size, candidate head
+    sizes and GQA groups (undeclared ones are skipped as NOT DECLARED at setup)."""
+    from pagedllm.testing import sweep
+
+    cls = _backend_class(metafunc.config)
+    caps = cls.capabilities if cls is not None else None
+    if "conformance_sweep_block_size" in metafunc.fixturenames:
+        sizes = sorted(caps.block_sizes) if caps is not None else [16]
+        metafunc.parametrize("conformance_sweep_block_size", sizes, ids=[f"bs{s}" for s in sizes])
+    if "conformance_head_size" in metafunc.fixturenames:
+        sizes = sweep.head_sizes(caps)
+        metafunc.parametrize("conformance_head_size", sizes, ids=[f"hs{s}" for s in sizes])
+    if "conformance_gqa_group" in metafunc.fixturenames:
+        groups = sweep.gqa_groups(caps)
+        metafunc.parametrize("conformance_gqa_group", groups, ids=[f"g{g}" for g in groups])
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
@@ -161,6 +185,11 @@ def _needs(item: pytest.Item) -> list[str]:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "conformance_dtype" in params:
         needs.append(f"dtype:{params['conformance_dtype']}")
+    for key in ("conformance_head_size", "head_size"):
+        if key in params:
+            needs.append(f"head_size:{params[key]}")
+    if "conformance_gqa_group" in params:
+        needs.append(f"gqa_group:{params['conformance_gqa_group']}")
     return needs
 
 
@@ -176,6 +205,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} {NOT_DECLARED}"
                         f"{capability_label(need)}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Collects the figures (max error, NMSE) the check records through metrics.assert_close."""
+    if not _in_suite(item):
+        yield
+        return
+    from pagedllm.testing.metrics import SINK
+
+    SINK.open()
+    try:
+        yield
+    finally:
+        item.config.stash[_COVERAGE].figures[item.nodeid] = [f.as_dict() for f in SINK.close()]
 
 
 class _Recorder:

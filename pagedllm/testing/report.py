@@ -14,7 +14,9 @@ NOT_DECLARED = "does not declare capability "
 
 
 def capability_label(name: str) -> str:
-    return f"dtype {name[6:]}" if name.startswith("dtype:") else name
+    from pagedllm.testing.sweep import limit_label
+
+    return f"dtype {name[6:]}" if name.startswith("dtype:") else limit_label(name)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class Coverage:
     needs_of: dict[str, list[str]] = field(default_factory=dict)  # nodeid -> capabilities
     outcome: dict[str, str] = field(default_factory=dict)  # nodeid -> passed/failed/skipped
     missing: dict[str, str] = field(default_factory=dict)  # nodeid -> undeclared capability
+    figures: dict[str, list[dict]] = field(default_factory=dict)  # nodeid -> metrics.Figure dicts
 
     def record(self, nodeid: str, when: str, outcome: str) -> None:
         if nodeid not in self.area_of:

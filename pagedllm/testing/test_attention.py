@@ -12,7 +12,8 @@ import torch
 
 from pagedllm.backends.attention import AttentionImpl
 from pagedllm.backends.interface import Backend, Capabilities
-from pagedllm.testing.harness import garbage_cache, make_attention, tolerance, torch_dtype
+from pagedllm.testing.harness import garbage_cache, make_attention, torch_dtype
+from pagedllm.testing.metrics import assert_close
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
 
 AREA = "attention"
@@ -43,15 +44,7 @@ def run_case(backend: Backend, specs: list[SeqSpec], *, dtype: str, block_size: 
 
 
 def assert_matches(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str) -> None:
-    assert torch.isfinite(got).all(), f"{what}: output has non-finite values"
-    err = (got.double() - ref).abs()
-    tol = tolerance(dtype)
-    bound = tol["atol"] + tol["rtol"] * ref.abs()
-    if not bool((err <= bound).all()):
-        row, head, _ = [int(i) for i in torch.nonzero(err > bound)[0]]
-        raise AssertionError(f"{what}: max |error| {err.max().item():.3g} vs float64 reference "
-                             f"(atol {tol['atol']}, rtol {tol['rtol']}); first bad element at "
-                             f"token row {row}, head {head}")
+    assert_close(got, ref, dtype, what)  # records max error / NMSE for the report
 
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
