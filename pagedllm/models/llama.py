@@ -70,14 +70,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # subclasses (qwen3.py, mixtral.py) swap the attention class and the MLP per layer
+    attention_cls: type[nn.Module] = LlamaAttention
+
     def __init__(self, config: Any, ctx: LayerContext, rotary: RotaryEmbedding,
-                 biases: tuple[bool, bool], sliding_window: int | None = None) -> None:
+                 biases: tuple[bool, bool], sliding_window: int | None = None,
+                 layer_idx: int = 0) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx)
-        self.self_attn = LlamaAttention(config, ctx, rotary, biases, sliding_window)
+        self.self_attn = self.attention_cls(config, ctx, rotary, biases, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx)
-        self.mlp = LlamaMLP(config, ctx)
+        self.mlp = self.make_mlp(config, ctx, layer_idx)
+
+    def make_mlp(self, config: Any, ctx: LayerContext, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, ctx)
 
     def forward(self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -101,6 +108,8 @@ class LlamaForCausalLM(nn.Module):
     stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: Any, ctx: LayerContext, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -110,8 +119,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.rotary = RotaryEmbedding(config, head_size, max_positions, ctx.dtype, ctx.device)
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, ctx, self.rotary, biases,
-                              layer_sliding_window(config, i, max_positions))
+            self.layer_cls(config, ctx, self.rotary, biases,
+                              layer_sliding_window(config, i, max_positions), layer_idx=i)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -122,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary(positions)
+        cos_sin = self.rotary(positions, metadata)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, cos_sin, hidden, residual, kv_cache, metadata)

@@ -52,6 +52,7 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
                                      ("sliding_window",)),
     "Qwen2ForCausalLM": ModelEntry("pagedllm.models.llama:Qwen2ForCausalLM", ("sliding_window",)),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM"),
+    "Qwen3ForCausalLM": ModelEntry("pagedllm.models.qwen3:Qwen3ForCausalLM", ("sliding_window",)),
 }
 
 

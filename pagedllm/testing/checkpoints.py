@@ -29,6 +29,29 @@ def byte_tokenizer() -> Any:
     return fast
 
 
+# family -> (transformers config class, overrides of the common tiny shape)
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 80 (not hidden / heads), 6 query heads over 2 KV heads (GQA group 3)
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=80,
+                                  intermediate_size=128, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=False)),
+    # sliding layers (window 6) alternate with global ones; soft caps small enough to matter;
+    # query_pre_attn_scalar != head_dim
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                    query_pre_attn_scalar=24, sliding_window=6,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                    num_hidden_layers=3)),
+    # local rope base 10k on sliding layers (window 5), 1M with linear scaling on global ones
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, query_pre_attn_scalar=24,
+        sliding_window=5, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1000000.0}})),
+}
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 259, **overrides: Any) -> Any:
     """A small config of the given family ("llama", "qwen2", "mistral", "opt")."""
     import transformers as tf
@@ -41,6 +64,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 259, **overrides: Any) ->
                    pad_token_id=0, enable_bias=True)
         cfg.update(overrides)
         return tf.OPTConfig(**cfg)
+    if arch in FAMILY_CONFIGS:  # the families of issue 31 (odd head sizes, GQA group 3, MoE)
+        cls_name, family = FAMILY_CONFIGS[arch]
+        return getattr(tf, cls_name)(**{**common, **family, **overrides})
     cfg = dict(common, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-6)
     if arch == "qwen2":
         cfg["tie_word_embeddings"] = True
