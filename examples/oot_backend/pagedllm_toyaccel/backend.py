@@ -36,7 +36,8 @@ class ToyAccelBackend(Backend):
     default_dtype = "float32"
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=True, prefix_caching=True,
                                 chunked_prefill=False, dtypes=("float32", "bfloat16"),
-                                preferred_block_size=16, block_sizes=(16, 32))
+                                preferred_block_size=16, block_sizes=(16, 32),
+                                head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -24,6 +24,9 @@ class CpuBackend(Backend):
     default_dtype = "float32"
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=False, prefix_caching=True,
                                 chunked_prefill=True,
+                                # both attentions (torch, native C++) sweep clean over these
+                                head_sizes=(16, 32, 40, 64, 72, 80, 96, 112, 128, 192, 256),
+                                max_gqa_group=None,
                                 # the torch attention has both; attention_cls picks it when the
                                 # model needs one the native kernels do not declare
                                 attention_features=("sliding_window", "logits_soft_cap"),

@@ -28,6 +28,7 @@ class XpuBackend(Backend):
     dist_backend = "ccl"  # oneCCL (oneccl_bindings_for_pytorch)
     default_dtype = "bfloat16"
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=False,
+                                head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float16", "float32"),
                                 preferred_block_size=16, block_sizes=(16, 32, 64))
