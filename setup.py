@@ -55,7 +55,11 @@ setup(
     ],
     extras_require={
         # triton: the cuda backend's Triton kernels are tested on CPU through its interpreter
-        "test": ["pytest", "pytest-timeout", "openai", "httpx", "triton; sys_platform == 'linux'"],
+        # xgrammar: guided decoding (structured output); its wheels pull no torch of their own
+        # when torch is installed (tested: py3.11, torch 2.13.0+cpu)
+        "guided": ["xgrammar>=0.2.9"],
+        "test": ["pytest", "pytest-timeout", "openai", "httpx", "triton; sys_platform == 'linux'",
+                 "xgrammar>=0.2.9", "jsonschema"],
         "ray": ["ray"],
     },
     entry_points={

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
 
@@ -25,6 +27,91 @@ class RequestOutputKind(IntEnum):
 
 def _fail(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+
+
+GUIDED_BACKENDS = ("xgrammar", "auto")
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrain a request's output to a JSON schema, a regex, one of some strings, an EBNF/GBNF
+    grammar or any JSON object (vLLM's names). Exactly one of the five is set.
+
+    Only the syntax of the fields is checked here; the schema, regex or grammar itself is parsed
+    when the request is added (``pagedllm.engine.guided``), which names the field it rejects.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+
+    @staticmethod
+    def from_optional(json: str | dict | None = None, regex: str | None = None,
+                      choice: list[str] | None = None, grammar: str | None = None,
+                      json_object: bool | None = None, backend: str | None = None,
+                      whitespace_pattern: str | None = None) -> GuidedDecodingParams | None:
+        """None when no constraint is given, else the params (validated)."""
+        if all(v is None for v in (json, regex, choice, grammar, json_object)):
+            return None
+        return GuidedDecodingParams(json=json, regex=regex, choice=choice, grammar=grammar,
+                                    json_object=json_object, backend=backend,
+                                    whitespace_pattern=whitespace_pattern)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, value: object, allowed: str) -> None:
+            raise ValueError(f"GuidedDecodingParams.{name}={value!r} is invalid: {allowed}")
+
+        given = [k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"GuidedDecodingParams needs exactly one of {', '.join(_GUIDED_KINDS)}"
+                             f"; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    loaded = json.loads(self.json)
+                except ValueError as exc:
+                    fail("json", self.json, f"must be a JSON schema (a dict or its JSON text): {exc}")
+                if not isinstance(loaded, (dict, bool)):
+                    fail("json", self.json, "must be a JSON schema object")
+            elif not isinstance(self.json, dict):
+                fail("json", self.json, "must be a JSON schema (a dict or its JSON text)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            fail("regex", self.regex, "must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                fail("choice", self.choice, "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            fail("grammar", self.grammar, "must be a non-empty EBNF/GBNF grammar string")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            fail("json_object", self.json_object, "must be a bool")
+        if self.backend is not None and self.backend.split(":")[0] not in GUIDED_BACKENDS:
+            fail("backend", self.backend, f"allowed: {', '.join(GUIDED_BACKENDS)}")
+        if self.whitespace_pattern is not None:
+            fail("whitespace_pattern", self.whitespace_pattern,
+                 "not supported by the xgrammar backend (JSON is generated compactly); leave unset")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of json, regex, choice, grammar, json_object."""
+        return next(k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value,
+                               sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            value = json.dumps(value)
+        return kind, str(value)
 
 
 @dataclass
@@ -56,8 +143,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     timeout_seconds: float | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
+    # token id -> bias added to its logit (OpenAI semantics: values in [-100, 100])
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # filled in by the engine from the tokenizer / generation config; not user-facing
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+    # bad_words as token ids (each word with and without a leading space), set by the engine
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -123,6 +217,47 @@ class SamplingParams:
                   "allowed: RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY")
         if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY and self.best_of != self.n:
             _fail("best_of", self.best_of, "must equal n when sampling greedily (temperature=0)")
+        self._verify_logits_controls(is_int, is_num)
+
+    def _verify_logits_controls(self, is_int: Any, is_num: Any) -> None:
+        """guided_decoding, logit_bias, allowed_token_ids, bad_words (token ids are checked
+        against the vocabulary when the engine adds the request)."""
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                _fail("guided_decoding", self.guided_decoding,
+                      "must be a GuidedDecodingParams or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", self.logit_bias, "must be a dict {token id: bias}")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)  # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    _fail("logit_bias", k, "keys must be token ids (integers >= 0)")
+                if tok < 0:
+                    _fail("logit_bias", k, "keys must be token ids (integers >= 0)")
+                if not is_num(v) or not -100.0 <= v <= 100.0:
+                    _fail("logit_bias", v, f"the bias of token {tok} must be a number in [-100, 100]")
+                bias[tok] = float(v)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                _fail("allowed_token_ids", ids, "must be a non-empty list of token ids or None")
+            for t in ids:
+                if not is_int(t) or t < 0:
+                    _fail("allowed_token_ids", t, "token ids must be integers >= 0")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                _fail("bad_words", self.bad_words, "must be a list of non-empty strings")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    _fail("bad_words", w, "each bad word must be a non-empty string")
+            self.bad_words = list(self.bad_words) or None
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -135,7 +270,14 @@ class SamplingParams:
         """Whether sampling reads the sequence's tokens so far (repetition/presence/frequency
         penalties)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0
+                or any(len(w) > 1 for w in self.bad_words_token_ids))
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether the sampler edits this request's logits (logit_bias, allowed_token_ids,
+        bad_words); guided decoding's mask arrives separately, per step."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def max_stop_len(self) -> int:
@@ -149,4 +291,5 @@ class SamplingParams:
         new.stop = list(self.stop)
         new.stop_token_ids = list(self.stop_token_ids)
         new.all_stop_token_ids = set(self.all_stop_token_ids)
+        new.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         return new

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -54,6 +55,10 @@ class ScheduledBatch:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     finished_seq_ids: list[int] = field(default_factory=list)
+    # guided decoding: int32 [len(seqs), ceil(vocab / 32)] (a host torch tensor, filled by the
+    # engine after scheduling; the scheduler never sets it): bit t of row i set iff token t may
+    # be sampled for seqs[i]; None when no sampled sequence is guided
+    token_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,8 +11,9 @@ from pagedllm.backends.registry import resolve_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.base import make_executor
@@ -64,6 +65,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.model.max_model_len)
         self._requests: dict[str, SequenceGroup] = {}
+        # guided requests wait here while their grammar compiles, then join the scheduler
+        self.guided = GuidedManager(self.tokenizer, config.model.get_vocab_size(),
+                                    self.eos_token_ids)
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
         self._error: BaseException | None = None
@@ -127,6 +131,7 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         text, token_ids = self._prompt_ids(prompt)
         self.validate_prompt(token_ids)
+        self._prepare_logits_controls(params)
         if params.max_tokens is None:
             params.max_tokens = max(1, self.config.model.max_model_len - len(token_ids))
         params.all_stop_token_ids = set(params.stop_token_ids)
@@ -143,10 +148,35 @@ class LLMEngine:
             deadline=(time.monotonic() + params.timeout_seconds
                       if params.timeout_seconds is not None else None))
         self._requests[request_id] = group
-        self.scheduler.add(group)
+        if params.guided_decoding is not None:
+            self.guided.add(group)  # joins the scheduler once its grammar is compiled
+        else:
+            self.scheduler.add(group)
+
+    def _prepare_logits_controls(self, params: SamplingParams) -> None:
+        """Checks token ids against the vocabulary, tokenizes bad_words and parses the guided
+        constraint (ValueError naming the field)."""
+        vocab = self.config.model.get_vocab_size()
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of range: token ids must be "
+                                 f"in [0, {vocab - 1}]")
+        words: list[list[int]] = []
+        for word in params.bad_words or []:
+            for text in (word.lstrip(), " " + word.lstrip()):  # as vLLM: with and without a space
+                ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids and ids not in words and max(ids) < vocab:
+                    words.append(ids)
+        params.bad_words_token_ids = words
+        if params.guided_decoding is not None:
+            validate_guided_params(params.guided_decoding)
 
     def abort_request(self, request_id: str | list[str] | set[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for group in self.guided.abort(ids):
+            self._finish_unscheduled(group)
         for group in self.scheduler.abort(ids):
             self._requests.pop(group.request_id, None)
             self._pending_outputs.append(self.output_processor.make_output(group))
@@ -157,12 +187,14 @@ class LLMEngine:
         one's outputs are read, so the device never waits for this Python work."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed earlier and cannot continue: {self._error}")
+        self._admit_guided()
         if self._inflight is not None:
             (sched, pending), self._inflight = self._inflight, None
         else:
             sched = self.scheduler.schedule()
             pending = None if sched.batch.is_empty() else self._launch(sched)
-        if pending is not None and self._ahead:
+        # a guided sequence's next mask needs this step's token on the host: no step ahead
+        if pending is not None and self._ahead and not self.guided.has_live():
             ahead = self.scheduler.schedule_ahead(sched)
             if ahead is not None:
                 self._inflight = (ahead, self._launch(ahead))
@@ -171,7 +203,30 @@ class LLMEngine:
         self.scheduler.after_step(sched)
         return self._process(sched, outputs)
 
+    def _admit_guided(self) -> None:
+        """Requests whose grammar is compiled join the scheduler; failed ones finish with the
+        error. With nothing else to run, waits a little for a compile instead of spinning."""
+        if not self.guided.num_compiling:
+            return
+        idle = not self.scheduler.has_unfinished() and self._inflight is None
+        ready, failed = self.guided.pop_ready(wait_s=0.05 if idle else 0.0)
+        for group in ready:
+            self.scheduler.add(group)
+        for group, error in failed:
+            logger.warning("request %s failed: %s", group.request_id, error)
+            self._finish_unscheduled(group, error)
+
+    def _finish_unscheduled(self, group: SequenceGroup, error: str | None = None) -> None:
+        """A request that never reached the scheduler finishes as aborted (with ``error``)."""
+        for seq in group.seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._requests.pop(group.request_id, None)
+        out = self.output_processor.make_output(group)
+        out.error = error
+        self._pending_outputs.append(out)
+
     def _launch(self, sched: SchedulerOutput) -> PendingOutputs:
+        sched.batch.token_bitmask = self.guided.bitmask(sched)
         if self._ahead:
             return self._guard(lambda: self.executor.execute_async(sched.batch))
         return PendingOutputs(self._guard(lambda: self.executor.execute(sched.batch)))
@@ -185,6 +240,7 @@ class LLMEngine:
             raise
 
     def _process(self, sched: Any, outputs: list) -> list[RequestOutput]:
+        self.guided.advance(sched, outputs)
         touched = self.output_processor.apply(sched, outputs, self._fork)
         self.scheduler.free_finished()
         results, self._pending_outputs = self._pending_outputs, []
@@ -194,6 +250,7 @@ class LLMEngine:
                 results.append(self.output_processor.make_output(group))
             if finished:
                 self._requests.pop(group.request_id, None)
+                self.guided.free(group.request_id)
         return results
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
@@ -205,10 +262,10 @@ class LLMEngine:
     # --- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending_outputs)
-                or self._inflight is not None)
+                or self._inflight is not None or self.guided.num_compiling > 0)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished()
+        return self.scheduler.num_unfinished() + self.guided.num_compiling
 
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.scheduler
@@ -219,4 +276,5 @@ class LLMEngine:
                            kv_cache_usage=bm.usage())
 
     def shutdown(self) -> None:
+        self.guided.shutdown()
         self.executor.shutdown()

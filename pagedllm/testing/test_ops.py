@@ -105,3 +105,28 @@ def test_greedy_logprobs(conformance_backend: Backend, conformance_device: torch
         chosen = ref_lp.gather(1, tokens[:, None]).squeeze(1)
         err = (lp.cpu().double() - chosen).abs().max().item()
         assert err < 1e-4, f"greedy_logprobs ({what}): logprob error {err:.3g} vs float64"
+
+
+def test_apply_token_bitmask(conformance_backend: Backend, conformance_device: torch.device,
+                             conformance_rng: torch.Generator) -> None:
+    """Guided decoding's mask: token t of row r keeps its logit iff bit t % 32 of word t // 32 is
+    set (int32 words, bit 31 included), else -inf; in place, on a vocabulary that is not a
+    multiple of 32 and a row-strided view."""
+    rows, vocab = 4, 1000
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=conformance_rng,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0
+    bitmask[2, 3] = -2**31  # only token 3 * 32 + 31
+    logits = _rand(conformance_rng, rows, vocab)
+    allowed = [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
+               for r in range(rows)]
+    ref = torch.where(torch.tensor(allowed), logits, torch.full_like(logits, float("-inf")))
+    ops = _ops(conformance_backend)
+    wide = torch.zeros(rows, vocab + 24)
+    wide[:, :vocab] = logits
+    for what, x in (("contiguous", logits.clone()), ("row-strided view", wide[:, :vocab])):
+        x = x.to(conformance_device)
+        ops.apply_token_bitmask(x, bitmask.to(conformance_device))
+        assert torch.equal(x.cpu(), ref), f"apply_token_bitmask ({what}): masked logits differ"

@@ -10,6 +10,7 @@ from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
 from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.pending import PendingOutputs
+from pagedllm.worker.logits_controls import ApplyTokenBitmask
 from pagedllm.worker.sampler import GreedyLogprobs, Sampler, SampleRow
 
 
@@ -111,11 +112,12 @@ def select_logit_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[tuple[i
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int,
-                 greedy_logprobs: GreedyLogprobs | None = None) -> None:
+                 greedy_logprobs: GreedyLogprobs | None = None,
+                 apply_token_bitmask: ApplyTokenBitmask | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed, greedy_logprobs)
+        self.sampler = Sampler(device, seed, greedy_logprobs, apply_token_bitmask)
         # the last sampled step's draws [num_draws] on the device, and seq_id -> its draw
         self._last_draws: tuple[torch.Tensor, dict[int, int]] | None = None
 
@@ -165,7 +167,12 @@ class ModelRunner:
         n_sample = len(inp.sample_rows)
         pending = None
         if n_sample:
-            pending = self.sampler.sample_async(logits[:n_sample], [r for _, r in inp.sample_rows])
+            bitmask = None
+            if batch.token_bitmask is not None:  # guided rows: the sampled sequences' rows
+                rows = [i for i, _ in inp.sample_rows]
+                bitmask = batch.token_bitmask[rows].to(self.device, non_blocking=True)
+            pending = self.sampler.sample_async(logits[:n_sample], [r for _, r in inp.sample_rows],
+                                                bitmask)
             row_of: dict[int, int] = {}
             draw = 0
             for i, r in inp.sample_rows:  # a sequence's first draw continues it

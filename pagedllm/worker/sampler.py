@@ -15,6 +15,7 @@ import torch
 from pagedllm.core.batch import Sample
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.worker.host_copy import to_device
+from pagedllm.worker.logits_controls import ApplyTokenBitmask, apply_logits_controls
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 _MASK = float("-inf")
@@ -181,20 +182,29 @@ GreedyLogprobs = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int,
-                 greedy_logprobs: GreedyLogprobs | None = None) -> None:
+                 greedy_logprobs: GreedyLogprobs | None = None,
+                 apply_token_bitmask: ApplyTokenBitmask | None = None) -> None:
         """``greedy_logprobs``: the op for steps whose rows are all plain greedy (the ops table's:
         a torch reference, or a backend's fused kernel); None: every step takes the general
-        path below."""
+        path below. ``apply_token_bitmask``: the op that masks guided rows (default: the
+        ops table's torch reference)."""
+        from pagedllm.models.layers.ops import apply_token_bitmask as reference_bitmask
+
         self.device = device
         self.generator = torch.Generator(device=generator_device(device)).manual_seed(seed)
         self.greedy_logprobs = greedy_logprobs
+        self.apply_token_bitmask = apply_token_bitmask or reference_bitmask
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 bitmask: torch.Tensor | None = None) -> list[list[Sample]]:
         """``logits`` [len(rows), vocab] float32 -> for each row its ``num_samples`` samples."""
-        return self.sample_async(logits, rows).result(len(rows))
+        return self.sample_async(logits, rows, bitmask).result(len(rows))
 
-    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSamples:
-        """Queues the draws for ``rows``; nothing here waits for the device."""
+    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow],
+                     bitmask: torch.Tensor | None = None) -> PendingSamples:
+        """Queues the draws for ``rows``; nothing here waits for the device. ``bitmask``
+        [len(rows), ceil(vocab / 32)] int32 on the device: guided decoding's allowed tokens."""
+        logits = apply_logits_controls(logits, rows, bitmask, self.apply_token_bitmask)
         if self.greedy_logprobs is not None and all(_plain_greedy(r) for r in rows):
             tokens, chosen_lp = self.greedy_logprobs(logits)
             rows_k = [r.params.logprobs for r in rows]

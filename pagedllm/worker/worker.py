@@ -91,7 +91,8 @@ class Worker:
         with torch.inference_mode():
             self.model = load_model(self.config.model, ctx)
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
-                                  self.config.model.seed, ops.greedy_logprobs)
+                                  self.config.model.seed, ops.greedy_logprobs,
+                                  ops.apply_token_bitmask)
 
     def profile_run(self, max_tokens: int | None = None) -> None:
         """One forward + sample at the largest batch the scheduler may send (for memory sizing),

@@ -55,6 +55,16 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, chosen
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``logits`` [rows, vocab] float gets -inf wherever ``bitmask`` [rows,
+    ceil(vocab / 32)] int32 has a 0 bit (bit t % 32 of word t // 32 is token t; guided decoding's
+    packed mask, built on the host by xgrammar)."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
 def linear_prepare(layer: torch.nn.Module) -> None:
     """Called once per linear layer after its weights are loaded (e.g. to pre-pack them)."""
 
@@ -66,7 +76,8 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs")
+    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
+             "apply_token_bitmask")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
@@ -76,6 +87,8 @@ class Ops:
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
         self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
             greedy_logprobs
+        self.apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = \
+            apply_token_bitmask
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:

@@ -1,0 +1,64 @@
+"""Compiles guided-decoding grammars against the tokenizer on a worker thread, cached by
+constraint, so a never-seen schema does not stall the requests already running."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagedllm.engine.guided.validate import parse_grammar
+from pagedllm.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+# seconds a request may wait for its grammar before it fails (the compile itself cannot be
+# interrupted; its result is still cached for later requests)
+COMPILE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "30"))
+CACHE_ENTRIES = 1024
+
+
+class GrammarCompileError(ValueError):
+    """A grammar that failed to compile or took longer than the timeout."""
+
+
+class GrammarCompilerService:
+    """One xgrammar compiler for the engine's tokenizer; ``submit`` returns a Future of the
+    ``CompiledGrammar`` (the same Future for an equal constraint while it is cached)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        import xgrammar as xgr
+
+        # the model's vocabulary may be padded past the tokenizer's: those ids are never allowed
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def submit(self, params: GuidedDecodingParams) -> Future:
+        key = params.cache_key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, params)
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return fut
+
+    def _compile(self, params: GuidedDecodingParams) -> Any:
+        grammar = parse_grammar(params)
+        return self._compiler.compile_grammar(grammar)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,178 @@
+"""Per-request guided-decoding state on the host: the request waits here while its grammar
+compiles, then each of its sequences has an xgrammar matcher that builds the sequence's row of
+the step's token bitmask and accepts the token the step sampled.
+
+Matchers are keyed by (request id, completion index), not by KV state, so they survive
+preemption by recompute and by swap unchanged: a preempted sequence keeps its tokens, and the
+matcher has accepted exactly those.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.core.batch import PENDING_TOKEN, SeqOutput
+from pagedllm.core.sequence import SequenceGroup
+from pagedllm.engine.guided.compiler import GrammarCompileError, GrammarCompilerService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Compiling:
+    group: SequenceGroup
+    future: Future
+    deadline: float  # time.monotonic() after which the request fails
+
+
+class GuidedManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        self._tokenizer = tokenizer
+        self._stop_token_ids = stop_token_ids
+        self._service: GrammarCompilerService | None = None  # xgrammar imported on first use
+        self._compiling: list[_Compiling] = []
+        self._grammars: dict[str, Any] = {}  # request id -> CompiledGrammar
+        self._matchers: dict[tuple[str, int], Any] = {}  # (request id, index) -> GrammarMatcher
+
+    @property
+    def service(self) -> GrammarCompilerService:
+        if self._service is None:
+            self._service = GrammarCompilerService(self._tokenizer, self.vocab_size,
+                                                   self._stop_token_ids)
+        return self._service
+
+    # --- requests ------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        """Start compiling ``group``'s grammar; the group is handed back by ``pop_ready``."""
+        params = group.sampling_params.guided_decoding
+        assert params is not None
+        service = self.service
+        self._compiling.append(_Compiling(group, service.submit(params),
+                                          time.monotonic() + service.timeout_s))
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def has_live(self) -> bool:
+        """Whether any guided request is past compilation (its next bitmask needs the host to
+        have seen its last token: the engine does not schedule ahead of the device then)."""
+        return bool(self._grammars)
+
+    def pop_ready(self, wait_s: float = 0.0) -> tuple[list[SequenceGroup],
+                                                      list[tuple[SequenceGroup, str]]]:
+        """(groups whose grammar is ready, (group, error) for those that failed or timed out).
+        Waits up to ``wait_s`` for a first compile to finish when none has."""
+        if not self._compiling:
+            return [], []
+        if wait_s > 0 and not any(c.future.done() for c in self._compiling):
+            wait([c.future for c in self._compiling], timeout=wait_s, return_when="FIRST_COMPLETED")
+        ready: list[SequenceGroup] = []
+        failed: list[tuple[SequenceGroup, str]] = []
+        still: list[_Compiling] = []
+        now = time.monotonic()
+        for c in self._compiling:
+            rid = c.group.request_id
+            if not c.future.done():
+                if now < c.deadline:
+                    still.append(c)
+                    continue
+                failed.append((c.group, f"guided_decoding: grammar compilation took longer than "
+                                        f"{self.service.timeout_s:g} s"))
+                continue
+            try:
+                grammar = c.future.result(timeout=0)
+            except (GrammarCompileError, ValueError, RuntimeError, FutureTimeout) as exc:
+                failed.append((c.group, str(exc)))
+                continue
+            self._grammars[rid] = grammar
+            ready.append(c.group)
+        self._compiling = still
+        return ready, failed
+
+    def abort(self, request_ids: set[str]) -> list[SequenceGroup]:
+        """Drop requests; returns the groups that were still compiling (never scheduled)."""
+        dropped = [c.group for c in self._compiling if c.group.request_id in request_ids]
+        self._compiling = [c for c in self._compiling if c.group.request_id not in request_ids]
+        for rid in request_ids:
+            self.free(rid)
+        return dropped
+
+    def free(self, request_id: str) -> None:
+        if self._grammars.pop(request_id, None) is not None:
+            for key in [k for k in self._matchers if k[0] == request_id]:
+                del self._matchers[key]
+
+    # --- the step ------------------------------------------------------------------------
+    def _matcher(self, request_id: str, index: int) -> Any:
+        key = (request_id, index)
+        m = self._matchers.get(key)
+        if m is None:
+            import xgrammar as xgr
+
+            m = self._matchers[key] = xgr.GrammarMatcher(self._grammars[request_id])
+        return m
+
+    def bitmask(self, sched: Any) -> torch.Tensor | None:
+        """int32 [len(batch.seqs), words] for ``sched`` (bit t of row i set iff token t may be
+        sampled for batch.seqs[i]; rows of unguided or unsampled sequences all ones), or None
+        when no sampled sequence is guided."""
+        rows = [i for i, ((group, _), s) in enumerate(zip(sched.entries, sched.batch.seqs))
+                if s.num_samples > 0 and group.request_id in self._grammars]
+        if not rows:
+            return None
+        mask = torch.full((len(sched.batch.seqs), self.words), -1, dtype=torch.int32)
+        for i in rows:
+            group, seq = sched.entries[i]
+            if sched.batch.seqs[i].token_ids[-1] == PENDING_TOKEN:
+                raise RuntimeError("a guided sequence was scheduled ahead of its last token")
+            m = self._matcher(group.request_id, seq.index)
+            if m.is_terminated():  # only its stop tokens remain (e.g. with ignore_eos)
+                mask[i] = self._stop_row()
+            else:
+                m.fill_next_token_bitmask(mask, i)
+        return mask
+
+    def _stop_row(self) -> torch.Tensor:
+        words = [0] * self.words
+        for t in self._stop_token_ids:
+            if t < self.vocab_size:
+                words[t // 32] |= 1 << (t % 32)
+        # as signed int32: bit 31 set is a negative word
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                            dtype=torch.int32)
+
+    def advance(self, sched: Any, outputs: list[SeqOutput]) -> None:
+        """Feed each guided sequence the token(s) the step sampled for it, before the engine
+        applies them; a request's first step with several samples forks its matcher (the
+        output processor forks the sequences the same way, child j getting index j)."""
+        for (group, seq), out in zip(sched.entries, outputs):
+            rid = group.request_id
+            if not out.samples or seq.is_finished() or rid not in self._grammars:
+                continue
+            m = self._matcher(rid, seq.index)
+            if not group.forked:
+                for j, sample in enumerate(out.samples[1:], start=1):
+                    child = self._matchers[(rid, j)] = m.fork()
+                    self._accept(child, sample.token_id, rid)
+            self._accept(m, out.samples[0].token_id, rid)
+
+    def _accept(self, matcher: Any, token: int, request_id: str) -> None:
+        if matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):
+            logger.warning("request %s: the grammar rejected sampled token %d (every allowed "
+                           "token had probability 0?)", request_id, token)
+
+    def shutdown(self) -> None:
+        if self._service is not None:
+            self._service.shutdown()

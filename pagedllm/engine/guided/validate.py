@@ -1,0 +1,60 @@
+"""Tokenizer-free checks of a guided-decoding constraint, run when a request is added, so a bad
+schema, regex or grammar fails that request at once with the field named (a 400 on the server)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedllm.sampling_params import GuidedDecodingParams
+
+
+# xgrammar's character class for strings with a length bound admits raw control characters,
+# which strict JSON parsers reject; it is replaced by the class of its unbounded strings
+_LENIENT_CHAR = r'[^\"\\\r\n]'
+_STRICT_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _first_line(exc: BaseException) -> str:
+    """xgrammar's errors start with a timestamp and a C++ source location; keep the message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "] " in text and text.startswith("["):
+        text = text.split("] ", 1)[1]
+    if ": " in text and ".cc:" in text.split(": ")[0]:
+        text = text.split(": ", 1)[1]
+    return text
+
+
+def parse_grammar(params: GuidedDecodingParams) -> Any:
+    """The constraint as an ``xgrammar.Grammar``; ValueError naming the field when it is invalid."""
+    import xgrammar as xgr
+
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            ebnf = str(grammar)
+            if _LENIENT_CHAR in ebnf:  # strict JSON: no raw control characters in strings
+                grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LENIENT_CHAR, _STRICT_CHAR))
+            return grammar
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(params.choice or []))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(params.grammar)
+        return xgr.Grammar.builtin_json_grammar()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        value = getattr(params, kind)
+        shown = value if len(str(value)) <= 200 else str(value)[:200] + "..."
+        raise ValueError(f"guided_decoding.{kind}={shown!r} is invalid: {_first_line(exc)}") from None
+
+
+def validate_guided_params(params: GuidedDecodingParams) -> None:
+    """Raises ValueError naming the field when the schema / regex / grammar cannot be parsed."""
+    parse_grammar(params)
