@@ -38,7 +38,7 @@ setup(
     package_data={"pagedllm": ["py.typed", "models/demo_model/*.json",
                                "models/demo_model/*.safetensors", "models/demo_model/README.md",
                                "models/demo_model/*.png"],
-                  "pagedllm._csrc": ["*.py", "*.h", "*.cuh", "*.cu", "*.cpp", "cpu/*.cpp"]},
+                  "pagedllm._csrc": ["*.py", "*.h", "*.cuh", "*.cu", "*.cpp", "cpu/*.cpp", "cpu/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

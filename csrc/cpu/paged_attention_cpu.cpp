@@ -15,7 +15,9 @@
 // heads in one task, a slot's K (and V) rows are one contiguous span. Tasks run on torch's
 // intra-op pool (at::parallel_for), so torch.set_num_threads applies.
 //
-// Math: out = softmax(scale * q K^T) V in float32, the row max subtracted before exp (as SDPA).
+// Math: out = softmax(scale * q K^T) V in float32, the row max subtracted before exp (as SDPA);
+// optionally over the last `sliding_window` tokens only, and with the scaled scores soft-capped
+// (soft_cap * tanh(score / soft_cap)) before the softmax.
 // Every argument is checked before any task starts, so bad block ids or lengths raise instead of
 // reading outside the cache.
 //
@@ -23,8 +25,6 @@
 // ATen's generic 8-lane version otherwise) plus one AVX2 intrinsic helper, lane_sums.
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,114 +33,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_vec.h"
+
 namespace {
-
-using VecF = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = VecF::size();
-// Scores are computed for kTile tokens at a time: one horizontal reduction per tile, not per token.
-constexpr int64_t kTile = 8;
-
-// ---------------------------------------------------------------------------------------------
-// vector helpers
-// ---------------------------------------------------------------------------------------------
-
-inline float reduce_add(const VecF& v) {
-  return at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, v);
-}
-
-// out[j] = the sum of the lanes of acc[j], for kTile vectors.
-inline void lane_sums(const VecF (&acc)[kTile], float* out) {
-#if defined(CPU_CAPABILITY_AVX2)
-  static_assert(kLanes == 8 && kTile == 8, "the AVX2 reduction is an 8 x 8 transpose");
-  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
-  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-  // [sum of lanes 0-3 of acc 0..3 | sum of lanes 4-7 of acc 0..3], and the same for acc 4..7
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  _mm256_storeu_ps(out, _mm256_add_ps(low, high));
-#else
-  for (int64_t j = 0; j < kTile; ++j) out[j] = reduce_add(acc[j]);
-#endif
-}
-
-// out[j] = q . k[j] for the kTile rows k[0..kTile) of d values.
-inline void dot_tile(const float* q, const float* const* k, int64_t d, float* out) {
-  VecF acc[kTile];
-  for (int64_t j = 0; j < kTile; ++j) acc[j] = VecF(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    const VecF qv = VecF::loadu(q + i);
-    for (int64_t j = 0; j < kTile; ++j) {
-      acc[j] = at::vec::fmadd(qv, VecF::loadu(k[j] + i), acc[j]);
-    }
-  }
-  lane_sums(acc, out);
-  for (; i < d; ++i) {
-    for (int64_t j = 0; j < kTile; ++j) out[j] += q[i] * k[j][i];
-  }
-}
-
-// q . k over d values.
-inline float dot(const float* q, const float* k, int64_t d) {
-  VecF acc(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    acc = at::vec::fmadd(VecF::loadu(q + i), VecF::loadu(k + i), acc);
-  }
-  float sum = reduce_add(acc);
-  for (; i < d; ++i) sum += q[i] * k[i];
-  return sum;
-}
-
-// out[0..d) = sum over t < n of p[t] * v[t][0..d). kChunk vectors of out at a time, so that
-// their accumulators stay in registers over all n rows.
-constexpr int64_t kChunk = 8;
-inline void weighted_sum(const float* p, const float* const* v, int64_t n, int64_t d, float* out) {
-  int64_t i = 0;
-  for (; i + kChunk * kLanes <= d; i += kChunk * kLanes) {
-    VecF acc[kChunk];
-    for (int64_t c = 0; c < kChunk; ++c) acc[c] = VecF(0.f);
-    for (int64_t t = 0; t < n; ++t) {
-      const VecF pt(p[t]);
-      for (int64_t c = 0; c < kChunk; ++c) {
-        acc[c] = at::vec::fmadd(pt, VecF::loadu(v[t] + i + c * kLanes), acc[c]);
-      }
-    }
-    for (int64_t c = 0; c < kChunk; ++c) acc[c].store(out + i + c * kLanes);
-  }
-  for (; i + kLanes <= d; i += kLanes) {
-    VecF acc(0.f);
-    for (int64_t t = 0; t < n; ++t) acc = at::vec::fmadd(VecF(p[t]), VecF::loadu(v[t] + i), acc);
-    acc.store(out + i);
-  }
-  for (; i < d; ++i) {
-    float acc = 0.f;
-    for (int64_t t = 0; t < n; ++t) acc += p[t] * v[t][i];
-    out[i] = acc;
-  }
-}
-
-// x[i] = exp(x[i] - max(x)) over n values; returns their sum.
-inline float softmax_numerators(float* x, int64_t n) {
-  const float max_x = at::vec::reduce_all<float>(
-      [](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, x, n);
-  const VecF shift(max_x);
-  VecF acc(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const VecF e = (VecF::loadu(x + i) - shift).exp();
-    e.store(x + i);
-    acc = acc + e;
-  }
-  float sum = reduce_add(acc);
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - max_x);
-    sum += x[i];
-  }
-  return sum;
-}
 
 // ---------------------------------------------------------------------------------------------
 // the kernel
@@ -155,6 +50,8 @@ struct Layout {
   int64_t c_kv, c_block, c_slot, c_head;  // kv_cache strides (dims 0-3)
   int64_t table_stride;                   // block_tables stride(0)
   float scale;
+  int64_t window;  // > 0: the query (at position len - 1) sees the last `window` tokens only
+  float soft_cap;  // > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax
 };
 
 // One thread's buffers, sized for the longest sequence and reused by its tasks. A task's "rows"
@@ -191,6 +88,8 @@ void rows_as_float(const scalar_t* base, int64_t t0, int64_t t1, int64_t d, Scra
 
 // One task: kv heads [h0, h0 + nh) of sequence `seq` (`len` tokens, blocks `blocks`), i.e.
 // query heads [h0 * group, (h0 + nh) * group); row r of the task is query head h0 * group + r.
+// With a sliding window only the last min(len, window) tokens are read: below, token t of the
+// task is the sequence's token first + t.
 // kHeadSize > 0 fixes head_size at compile time, so the inlined row loops unroll.
 template <typename scalar_t, int64_t kHeadSize>
 void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const scalar_t* cache,
@@ -200,8 +99,11 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   const int64_t group = l.group, rows = nh * group;
   const scalar_t* k_base = cache + h0 * l.c_head;  // kv head h0 of slot 0 of block 0
   const scalar_t* v_base = k_base + l.c_kv;
+  const int64_t first = l.window > 0 ? std::max<int64_t>(0, len - l.window) : 0;
+  len -= first;  // from here on: the tokens the query sees
   for (int64_t t = 0; t < len; ++t) {
-    s.slots[t] = blocks[t / l.block_size] * l.c_block + (t % l.block_size) * l.c_slot;
+    const int64_t pos = first + t;
+    s.slots[t] = blocks[pos / l.block_size] * l.c_block + (pos % l.block_size) * l.c_slot;
   }
 
   const scalar_t* q_rows = query + seq * l.q_seq + h0 * group * l.q_head;
@@ -239,6 +141,7 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
     rows_as_float(v_base + h * l.c_head, 0, len, d, s);
     for (int64_t r = h * group; r < (h + 1) * group; ++r) {
       float* p = logits + r * len;
+      if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);
       const float inv_sum = 1.f / softmax_numerators(p, len);
       weighted_sum(p, s.kv.data(), len, d, acc);
       for (int64_t i = 0; i < d; ++i) {
@@ -364,8 +267,10 @@ int64_t check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, int64_t sliding_window, double soft_cap) {
   check_shapes(out, query, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
   Layout l;
   l.num_seqs = query.size(0);
   l.num_heads = query.size(1);
@@ -384,6 +289,8 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   l.c_head = kv_cache.stride(3);
   l.table_stride = block_tables.stride(0);
   l.scale = static_cast<float>(scale);
+  l.window = sliding_window;
+  l.soft_cap = static_cast<float>(soft_cap);
   const int64_t max_len = check_tables(block_tables, seq_lens, kv_cache.size(1), l.block_size);
   if (l.num_seqs == 0 || l.num_heads == 0 || l.head_size == 0) return;
 
@@ -405,7 +312,8 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
 // pybind11 module: torch/library.h compiles in a third of the time of torch/extension.h.
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0, "
+        "float soft_cap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

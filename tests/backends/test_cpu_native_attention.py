@@ -131,15 +131,12 @@ def _prefill_metadata(query_lens: list[int], context_lens: list[int], block_size
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("query_lens,context_lens", [([32] * 5, [0] * 5), ([7, 7], [0, 0]),
                                                      ([5, 9, 3], [0, 0, 0]), ([6, 6], [0, 10])])
-def test_prefill_matches_the_reference_bit_for_bit(cpu_kernels, query_lens: list[int],
-                                                   context_lens: list[int],
-                                                   dtype: torch.dtype) -> None:
-    """Prompts of one length without cached context take one causal SDPA over the packed rows
-    (strided views of a qkv projection, as in the model); other batches (lengths differ, or
-    cached context) the reference's path, bit for bit. The fast path gives the reference's bits
-    where the prompt length is a multiple of the block size (the reference's keys, padded to
-    whole blocks, are then the same L); otherwise SDPA's blocking over the padded keys rounds
-    differently, within float rounding."""
+def test_prefill_matches_the_reference(cpu_kernels, query_lens: list[int],
+                                       context_lens: list[int], dtype: torch.dtype) -> None:
+    """The native prefill (csrc/cpu/prefill_attention_cpu.cpp, over the cache) on strided views
+    of a qkv projection, as in the model, against the torch reference: equal within float
+    rounding (its online softmax sums in another order), for prompts of one length, of several,
+    and with cached context."""
     from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
 
     heads, kv_heads, d, bs = 8, 2, 64, 16
@@ -156,12 +153,8 @@ def test_prefill_matches_the_reference_bit_for_bit(cpu_kernels, query_lens: list
     want = ref.prefill(q, cache, meta, k, v)
     got = CpuNativePagedAttention(heads, d, kv_heads, d ** -0.5).prefill(q, cache, meta, k, v)
     assert got.shape == want.shape == (t, heads, d)
-    fast = len(set(query_lens)) == 1 and not any(context_lens)
-    if not fast or query_lens[0] % bs == 0:
-        assert torch.equal(got, want)
-    else:
-        tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_strided_query_and_out(cpu_kernels) -> None:

@@ -15,11 +15,7 @@ from pagedllm.backends.cpu import kernels as cpu_kernels_module
 
 
 def test_a_library_in_the_build_dir_loads_without_a_build(cpu_kernels, tmp_path: Path) -> None:
-    src = kernel_build.csrc_dir()
-    files, _ = cpu_kernels_module.LIBRARIES["pagedllm_cpu"]
-    sources = [str(src / "cpu" / n) for n in files]
-    built = kernel_build.build_directory(sources, "cpu",
-                                         {"cxx": cpu_kernels_module.compile_flags("pagedllm_cpu")})
+    built = cpu_kernels_module.library_build_dir("pagedllm_cpu")
     copy = tmp_path / "build"
     shutil.copytree(built, copy)  # fresh timestamps, as on a machine the cache was copied to
     script = textwrap.dedent(f"""

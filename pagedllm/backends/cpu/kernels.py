@@ -4,7 +4,8 @@
 library, once) into the shared kernel cache (pagedllm/backends/kernel_build.py:
 $PAGEDLLM_CACHE_DIR, default ~/.cache/pagedllm/kernels/<hash of torch version, sources and
 flags>); later processes load the cached libraries. Two libraries, each built for its own ISA
-(``LIBRARIES``): the decode attention (paged_attention_cpu.cpp) is written for AVX2, the layer
+(``LIBRARIES``): the attention (paged_attention_cpu.cpp: decode, prefill_attention_cpu.cpp:
+prefill; shared helpers in attention_vec.h) is written for AVX2, the layer
 ops and the greedy sampler (layer_ops_cpu.cpp, sampling_cpu.cpp) follow torch's own CPU kernels
 (AVX-512 where torch runs AVX-512), so that their vectorized exp and log are torch's and bf16/fp16
 convert 16 lanes at a time. Both register
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
@@ -31,10 +33,13 @@ ENABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 # library name -> (its csrc/cpu sources, the ISA it is built for: "avx2", or "torch" for the one
 # torch's CPU kernels run here)
 LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
-    "pagedllm_cpu": (("paged_attention_cpu.cpp",), "avx2"),  # defines the op namespace
+    # defines the op namespace; decode and prefill attention
+    "pagedllm_cpu": (("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"), "avx2"),
     "pagedllm_cpu_layers": (("layer_ops_cpu.cpp", "sampling_cpu.cpp"), "torch"),
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
+# headers the sources include: hashed into every library's build directory name (not compiled)
+HEADERS = ("attention_vec.h",)
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
            "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
@@ -75,6 +80,18 @@ def compile_flags(library: str = "pagedllm_cpu") -> list[str]:
     return flags
 
 
+def library_build_dir(library: str) -> Path:
+    """The kernel-cache directory of ``library`` (a key of LIBRARIES): named by the hash of its
+    sources, the shared headers, its flags and the torch version."""
+    src = csrc_dir()
+    if src is None:
+        raise RuntimeError("the csrc/cpu kernel sources were not found next to the package; "
+                           "reinstall pagedllm with its csrc package data")
+    files = LIBRARIES[library][0] + HEADERS
+    return build_directory([str(src / "cpu" / f) for f in files], "cpu",
+                           {"cxx": compile_flags(library)})
+
+
 def _build() -> Any:
     import torch
 
@@ -85,7 +102,7 @@ def _build() -> Any:
     for name, (files, _) in LIBRARIES.items():
         sources = [str(src / "cpu" / f) for f in files]
         flags = compile_flags(name)
-        build_dir = build_directory(sources, "cpu", {"cxx": flags})
+        build_dir = library_build_dir(name)
         logger.info("loading %s from %s (the first use builds it, ~15 s)", name, build_dir)
         jit_load(name, sources, build_dir, is_python_module=False, extra_cflags=flags,
                  extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],

@@ -1,23 +1,22 @@
-"""The cpu backend's default attention: TorchPagedAttention with decode in C++.
+"""The cpu backend's default attention: TorchPagedAttention with decode and prefill in C++.
 
 Decode runs csrc/cpu/paged_attention_cpu.cpp, which reads each sequence's K/V blocks in place
 through its block table instead of gathering them into a padded [B, kvH, L, D] tensor for SDPA.
+Prefill runs csrc/cpu/prefill_attention_cpu.cpp: flash-style (online softmax over key tiles read
+in place from the cache), any mix of prompt lengths and cached context (prefix caching, chunked
+prefill), no padding or mask tensor. Both honour sliding_window and logits_soft_cap.
 The cache writes are one C++ copy per token and kv head (layer_ops_cpu.cpp); ``forward_rotary``
 rotates q and k in place in the qkv projection and writes k and v into the cache in one C++
-pass (rotary_and_cache: the rotary op's bits, without its new [T, heads, D] tensor). Prefill is
-the torch reference's, except for a batch of prompts of one length without cached context (the
-common offline case): their queries, keys and values are already [P, L] in the packed rows, so
-one causal SDPA over the new keys and values replaces the reference's padding, cache gather and
-mask.
+pass (rotary_and_cache: the rotary op's bits, without its new [T, heads, D] tensor).
 The kernels are built (or loaded from the kernel cache) when the first layer is constructed; see
 kernels.py.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.backends.cpu.attention import TorchPagedAttention
@@ -27,10 +26,15 @@ from pagedllm.backends.cpu.layer_ops import KERNEL_DTYPES
 
 class CpuNativePagedAttention(TorchPagedAttention):
     name = "native"
+    supported_features = ("sliding_window", "logits_soft_cap")
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 **features: Any) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale, **features)
         self._ops = load_cpu_kernels()
+        # the kernels' spelling of "off": 0
+        self._window = self.sliding_window or 0
+        self._soft_cap = float(self.logits_soft_cap or 0.0)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -64,20 +68,18 @@ class CpuNativePagedAttention(TorchPagedAttention):
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """The reference's prefill; for P prompts of one length L and no cached context, causal
-        SDPA on the packed rows viewed as [P, heads, L, head_size] (the same masked softmax)."""
-        lens = metadata.prefill_query_lens_list
-        if any(metadata.prefill_context_lens_list) or len(set(lens)) != 1:
+        """query [num_prefill_tokens, num_heads, head_size] (a strided view is fine) -> a new
+        tensor of that shape, over each sequence's cache (this step's K/V already written); the
+        kernel checks shapes, dtypes, block ids and lengths."""
+        if kv_cache.dtype != query.dtype:
             return super().prefill(query, kv_cache, metadata, key, value)
-        p, length = len(lens), lens[0]
-
-        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [P * L, h, D] -> [P, h, L, D]
-            return x.view(p, length, x.shape[1], x.shape[2]).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(
-            heads_first(query), heads_first(key), heads_first(value), is_causal=True,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(1, 2).reshape(p * length, self.num_heads, self.head_size)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.num_prefills == 0:
+            return out
+        self._ops.paged_attention_prefill(out, query, kv_cache, metadata.prefill_block_tables,
+                                          metadata.query_start_loc, metadata.prefill_seq_lens,
+                                          self.scale, self._window, self._soft_cap)
+        return out
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
@@ -85,5 +87,6 @@ class CpuNativePagedAttention(TorchPagedAttention):
         that shape. The kernel checks shapes, dtypes, block ids and lengths; bad ones raise."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self._ops.paged_attention_decode(out, query, kv_cache, metadata.decode_block_tables,
-                                         metadata.decode_seq_lens, self.scale)
+                                         metadata.decode_seq_lens, self.scale, self._window,
+                                         self._soft_cap)
         return out
