@@ -58,3 +58,24 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         raise ValueError(f"the checkpoint has no tensors for: {', '.join(sorted(missing)[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
     return loaded
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor]],
+                fused: dict[str, list[tuple[str, int]]]
+                ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoints that store q/k/v (or gate/up) as one tensor (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``): ``fused`` maps such a name fragment to [(fragment, rows), ...] and each
+    matching tensor is split along dim 0 into those parts, renamed, so the usual stacked loading
+    (and its tensor-parallel sharding) applies. Other tensors pass through."""
+    for name, tensor in weights:
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if frag is None:
+            yield name, tensor
+            continue
+        parts = fused[frag]
+        total = sum(rows for _, rows in parts)
+        if tensor.shape[0] != total:
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {total} "
+                             f"({' + '.join(f'{p}={r}' for p, r in parts)})")
+        for (part, _), piece in zip(parts, tensor.split([r for _, r in parts], dim=0)):
+            yield name.replace(f".{frag}.", f".{part}."), piece

@@ -53,6 +53,7 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry("pagedllm.models.llama:Qwen2ForCausalLM", ("sliding_window",)),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM"),
     "Qwen3ForCausalLM": ModelEntry("pagedllm.models.qwen3:Qwen3ForCausalLM", ("sliding_window",)),
+    "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", ("sliding_window",)),
 }
 
 

@@ -35,6 +35,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=80,
                                   intermediate_size=128, rms_norm_eps=1e-6,
                                   tie_word_embeddings=False)),
+    # LongRoPE switching to its long factors at 70 tokens (prompts up to 64 tokens,
+    # continuations past 70), half of each 32-channel head rotated
+    "phi3": ("Phi3Config", dict(hidden_size=128, num_key_value_heads=2, intermediate_size=128,
+                                rms_norm_eps=1e-5, max_position_embeddings=256, pad_token_id=0,
+                                original_max_position_embeddings=70, rope_parameters=dict(
+                                    rope_type="longrope", rope_theta=10000.0,
+                                    partial_rotary_factor=0.5,
+                                    short_factor=[1.0 + 0.05 * i for i in range(8)],
+                                    long_factor=[1.2 + 0.4 * i for i in range(8)]))),
     # sliding layers (window 6) alternate with global ones; soft caps small enough to matter;
     # query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, intermediate_size=128,

@@ -152,3 +152,18 @@ class RotaryEmbedding(nn.Module):
             cos[rows] = c.to(cos.dtype).to(cos.device)
             sin[rows] = s.to(sin.dtype).to(sin.device)
         return cos, sin
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_op: Any,
+               num_heads: int, num_kv_heads: int, head_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split qkv [T, (num_heads + 2 * num_kv_heads) * head_size] into q, k, v and rotate the first
+    ``cos.shape[-1]`` channels of every q and k head (partial rotary; the rest pass through).
+    Returns q [T, num_heads * head_size], k and v [T, num_kv_heads * head_size]."""
+    t, rot = qkv.shape[0], cos.shape[-1]
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+    qk = qk.reshape(t, num_heads + num_kv_heads, head_size)
+    qk = torch.cat([rotary_op(qk[..., :rot], cos, sin), qk[..., rot:]], dim=-1).reshape(t, -1)
+    q, k = qk.split([q_size, kv_size], dim=-1)
+    return q, k, v
