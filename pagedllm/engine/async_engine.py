@@ -219,8 +219,9 @@ class AsyncEngineBase:
         finally:
             stream.abort()
 
-    def _abort_nowait(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _abort_nowait(self, request_id: str, reason: str = "abort") -> None:
+        if self._streams.pop(request_id, None) is not None and self.log_requests:
+            logger.info("finished request %s: %s", request_id, reason)  # as _dispatch logs it
         if self._dead is None:
             self._send_abort(request_id)
 
@@ -247,6 +248,13 @@ class AsyncEngineBase:
                 listener(stats, outputs)
             except Exception:
                 logger.exception("step listener %r failed", listener)
+
+    def fail_all_requests(self, exc: BaseException) -> None:
+        """End every request's stream with ``exc`` and abort it in the engine (the server's
+        shutdown deadline); the engine keeps running."""
+        for request_id, stream in list(self._streams.items()):
+            stream.put(exc)
+            self._abort_nowait(request_id, reason="shutdown")
 
     def _fail_request(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

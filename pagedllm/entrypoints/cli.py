@@ -15,6 +15,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from pagedllm.logger import configure_logging
+
 
 # --- serve ---------------------------------------------------------------------------------
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -70,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     sys.exit(args.func(args))
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
@@ -34,6 +36,7 @@ from pagedllm.entrypoints.openai.serving_base import ServingContext
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.logger import configure_logging, one_line
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ def build_app(engine: AsyncEngineBase, settings: ServerSettings,
     app.state.engine, app.state.settings, app.state.server_state = engine, settings, state
     app.state.metrics = metrics
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -72,16 +75,27 @@ def build_app(engine: AsyncEngineBase, settings: ServerSettings,
                                code="engine_dead").response()
         return Response(status_code=HTTPStatus.OK)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """The same answer as /health (vLLM's route for SageMaker-style health checks)."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+                "root": settings.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
-             "root": settings.model_path, "parent": None, "max_model_len": ctx.max_model_len}
-            for name in settings.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in settings.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)  # 404 naming the id and the served names
+        return model_card(model_id)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -121,28 +135,43 @@ def build_engine(engine_args: AsyncEngineArgs, own_process: bool = True) -> Asyn
     return AsyncLLMEngine.from_engine_args(engine_args)
 
 
-def setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def kill_engine(engine: AsyncEngineBase) -> None:
+    """Stop the engine at once: its process (and workers), or this process's own workers."""
+    from pagedllm.entrypoints.openai.engine_client import (MPEngineClient, _children,
+                                                           kill_process_tree)
+
+    if isinstance(engine, MPEngineClient):
+        engine.kill()
+        return
+    for child in _children(os.getpid()):  # an in-process engine's executor workers
+        kill_process_tree(child)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Build the engine (loads the model), then serve until SIGTERM; the exit status."""
-    setup_logging()
+    """Build the engine (loads the model), then serve until SIGTERM or SIGINT; the exit status:
+    0 after a drain, 2 for a bad argument, 1 when the server cannot start (launcher.py has the
+    codes of a second signal)."""
+    configure_logging()
     try:
         settings = server_settings(args)
         engine = build_engine(AsyncEngineArgs.from_cli_args(args),
                               not args.disable_frontend_multiprocessing)
-    except (ValueError, RuntimeError, OSError) as exc:
-        logger.error("cannot start the server: %s", exc)
+    except ValueError as exc:
+        logger.error("cannot start the server: %s", one_line(exc))
+        return 2
+    except (RuntimeError, OSError) as exc:
+        logger.error("cannot start the server: %s", one_line(exc))
         return 1
     state = ServerState()
     app = build_app(engine, settings, state)
     logger.info("serving %s as %s on http://%s:%d%s", args.model, settings.served_model_names,
                 args.host, args.port, " (API key required)" if settings.api_key else "")
-    asyncio.run(serve_http(app, state, args.host, args.port, settings.shutdown_timeout,
-                           args.uvicorn_log_level, not args.disable_uvicorn_access_log))
+    try:
+        asyncio.run(serve_http(app, state, args.host, args.port, settings.shutdown_timeout,
+                               engine.fail_all_requests, partial(kill_engine, engine),
+                               args.uvicorn_log_level, not args.disable_uvicorn_access_log))
+    finally:  # a no-op after a clean shutdown; never leave the engine process behind
+        getattr(engine, "kill", lambda: None)()
     return 0
 
 

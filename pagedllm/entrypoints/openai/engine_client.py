@@ -15,17 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import signal
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.logger import configure_logging
 from pagedllm.engine.async_engine import (AsyncEngineBase, EngineDeadError, ModelInfo,
                                           base_engine_args)
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_JOIN_S = 5.0  # the engine stops after its current step; a longer wait means it hangs
 
 # (index, new text, new token ids, new logprobs | None, cumulative logprob, finish, stop reason)
 ChoiceDelta = tuple[int, str, list[int], list | None, float | None, str | None, Any]
@@ -67,7 +71,7 @@ def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
     # drain short (the process exits on its own when the server goes away: recv() gets EOF)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
@@ -289,8 +293,38 @@ class MPEngineClient(AsyncEngineBase):
             self._conn.send(("shutdown",))
         except OSError:
             pass
-        await asyncio.to_thread(self._proc.join, 30)
+        await asyncio.to_thread(self._proc.join, SHUTDOWN_JOIN_S)
         if self._proc.is_alive():
-            self._proc.kill()
+            logger.warning("the engine process did not stop within %.0f s; killing it",
+                           SHUTDOWN_JOIN_S)
+            self.kill()
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._conn.close()
+
+    def kill(self) -> None:
+        """SIGKILL the engine process and its workers (it ignores SIGINT and SIGTERM, so that a
+        signal to the whole process group does not cut the server's drain short)."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            kill_process_tree(self._proc.pid)
+            self._proc.join(5)
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (Linux /proc; elsewhere just ``pid``)."""
+    for child in _children(pid):
+        kill_process_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found

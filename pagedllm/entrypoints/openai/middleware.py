@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/ping"})
 
 
 async def send_error(send: Send, error: OpenAIError, headers: list[tuple[bytes, bytes]] = ()
@@ -70,11 +70,12 @@ class DrainGuard:
 
 
 class ApiKeyAuth:
-    """``Authorization: Bearer KEY`` on every path but /health, decided from ``scope["path"]``."""
+    """``Authorization: Bearer KEY`` on every path but /health and /ping, decided from
+    ``scope["path"]``; the scheme is case-insensitive (RFC 9110), the key is not."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
@@ -83,7 +84,9 @@ class ApiKeyAuth:
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                given = value
+                scheme, _, token = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
                 break
         if not hmac.compare_digest(given, self.expected):
             await send_error(send, OpenAIError(
