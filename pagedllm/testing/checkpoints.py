@@ -44,6 +44,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                     partial_rotary_factor=0.5,
                                     short_factor=[1.0 + 0.05 * i for i in range(8)],
                                     long_factor=[1.2 + 0.4 * i for i in range(8)]))),
+    # 8 experts, top 2, head_dim 96 (not hidden / heads)
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, head_dim=96, intermediate_size=64,
+                                      num_local_experts=8, num_experts_per_tok=2,
+                                      rms_norm_eps=1e-5, sliding_window=None)),
+    # GQA group 3; layer 0 sparse (8 experts, top 2, weights not renormalized), layer 1 dense
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=6, num_key_value_heads=2,
+                                         head_dim=16, intermediate_size=128,
+                                         moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=False,
+                                         decoder_sparse_step=1, mlp_only_layers=[1],
+                                         rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # sliding layers (window 6) alternate with global ones; soft caps small enough to matter;
     # query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, intermediate_size=128,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pagedllm.testing.report import NOT_DECLARED, Coverage, capability_label
+from pagedllm.testing.report import NOT_DECLARED, CheckDims, Coverage, capability_label
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the backend's attention implementation to check (its attention_cls "
                          "choice, e.g. 'ipex' on cpu); sets $PAGEDLLM_ATTENTION_BACKEND for the "
                          "run. Default: the backend's own default")
+    group.addoption("--conformance-report", dest="pagedllm_report", default=None,
+                    metavar="PATH", help="write the run's results as JSON (commit, backend, "
+                    "package version, each check's status with its max error and NMSE, the "
+                    "PASS/FAIL/NOT DECLARED matrix); docs/porting.md describes the format")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,6 +125,7 @@ def _check_backend(config: pytest.Config) -> None:
                 if getattr(caps, f)]
     cov = config.stash[_COVERAGE]
     cov.backend, cov.source = name, info.source
+    cov.info = _backend_facts(info.cls)
     tested = block_sizes_to_test(caps.block_sizes, caps.preferred_block_size)
     from pagedllm.config import ATTENTION_BACKEND_ENV
 
@@ -178,6 +183,41 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in suite:
         cov.area_of[item.nodeid] = getattr(item.module, "AREA", item.module.__name__)
         cov.needs_of[item.nodeid] = _needs(item)
+        cov.label_of[item.nodeid] = f"{item.module.__name__.rsplit('.', 1)[-1]}::{item.name}"
+        cov.dims_of[item.nodeid] = _dims(item, cov.area_of[item.nodeid], cov.needs_of[item.nodeid])
+
+
+def _dims(item: pytest.Item, area: str, needs: list[str]) -> CheckDims:
+    """The check's place in the PASS/FAIL matrix: capability x dtype x block size x head size."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    own = [n for n in needs if not n.startswith(("dtype:", "head_size:", "gqa_group:"))]
+    block = params.get("conformance_block_size", params.get("conformance_sweep_block_size"))
+    head = params.get("conformance_head_size", params.get("head_size"))
+    named = getattr(item.module, "CAPABILITY_OF", {}).get(getattr(item, "originalname", ""))
+    return CheckDims(capability=capability_label(own[0]) if own else named or area,
+                     dtype=params.get("conformance_dtype"), block_size=block, head_size=head,
+                     gqa_group=params.get("conformance_gqa_group"))
+
+
+def _backend_facts(cls: type[Backend]) -> dict[str, Any]:
+    """What the JSON report says about the run besides its checks."""
+    import dataclasses
+    import platform
+
+    import torch
+
+    import pagedllm
+    from pagedllm.backends import PLUGIN_API_VERSION
+    from pagedllm.testing.report import git_commit
+
+    return {"commit": git_commit(os.path.dirname(os.path.dirname(pagedllm.__file__))),
+            "pagedllm_version": pagedllm.__version__, "plugin_api_version": PLUGIN_API_VERSION,
+            "backend_plugin_api_version": getattr(cls, "plugin_api_version", None),
+            "torch_version": torch.__version__, "python": platform.python_version(),
+            "torch_device": cls.torch_device,
+            "attention_backend": os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or "default",
+            "capabilities": {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in dataclasses.asdict(cls.capabilities).items()}}
 
 
 def _needs(item: pytest.Item) -> list[str]:
@@ -229,7 +269,12 @@ class _Recorder:
         self.coverage = coverage
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.coverage.record(report.nodeid, report.when, report.outcome)
+        message = ""
+        if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+            message = str(report.longrepr[2])
+        elif report.outcome == "failed":
+            message = getattr(report, "longreprtext", "")[-2000:]
+        self.coverage.record(report.nodeid, report.when, report.outcome, message)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -239,6 +284,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_sep("=", f"pagedllm conformance: {config.stash[_COVERAGE].backend}")
     for line in lines:
         terminalreporter.write_line(line)
+    path = config.getoption("pagedllm_report", None)
+    if path:
+        config.stash[_COVERAGE].write_json(path)
+        terminalreporter.write_line(f"conformance report written to {path}")
 
 
 # --- fixtures ------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from pagedllm.testing.harness import cache_shape, make_attention, nan_cache, tor
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
 
 AREA = "cache write/copy/swap"
+CAPABILITY_OF = {"test_write_kv_fills_exactly_the_mapped_slots": "cache write",
+                 "test_copy_blocks": "block copy"}
 NUM_LAYERS = 3
 
 

@@ -22,6 +22,11 @@ from pagedllm.testing.sweep import (CUSTOM_SCALES, default_head_size, default_he
                                     long_context)
 
 AREA = "declared limits"
+# the summary's capability row of each check (report.py); undeclared values get their own row
+CAPABILITY_OF = {"test_every_block_size": "block sizes", "test_head_size": "head sizes",
+                 "test_gqa_group": "GQA groups", "test_long_context": "long context",
+                 "test_custom_scale": "custom scale", "test_dtype_edges": "dtype range edges",
+                 "test_reordered_batch": "reordered batch"}
 # fp16's largest finite value; bf16 inputs beyond it catch a bf16 cache written through fp16
 FP16_MAX = 65504.0
 

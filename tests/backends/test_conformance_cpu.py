@@ -2,6 +2,7 @@
 vendor runs it for theirs: ``pytest --pyargs pagedllm.testing --device cpu``."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,18 +26,28 @@ def test_pytest_plugin_is_registered() -> None:
         "the pytest11 entry point is missing: reinstall pagedllm (pip install -e .)")
 
 
-def test_suite_passes_on_cpu() -> None:
-    proc = run_suite("--device", "cpu")
+def test_suite_passes_on_cpu(tmp_path) -> None:
+    report = tmp_path / "cpu.json"
+    proc = run_suite("--device", "cpu", "--conformance-report", str(report))
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-2000:]
     assert "pagedllm conformance: cpu" in out
     # cpu declares swap, prefix caching, chunked prefill and three dtypes; graphs and static
-    # shapes are reported as not checked
-    assert "graphs" in out.split("not declared by the backend")[1]
-    assert "static_shapes" in out.split("not declared by the backend")[1]
+    # shapes are reported NOT DECLARED, never as passed
+    rows = {line.split()[0]: line for line in out.splitlines() if "NOT DECLARED" in line}
+    assert "graphs" in rows and "static_shapes" in rows, out[-4000:]
+    assert "FAILED capabilities: none" in out
     for area in ("attention", "cache write/copy/swap", "end-to-end (HF equality)", "sampling",
-                 "model ops", "contract"):
+                 "model ops", "contract", "declared limits"):
         assert area in out
+    data = json.loads(report.read_text())
+    assert data["backend"] == "cpu" and data["summary"]["FAIL"] == 0
+    assert data["summary"]["PASS"] > 200 and data["commit"]
+    swept = {c["block_size"] for c in data["checks"]
+             if c["capability"] == "block sizes" and c["status"] == "PASS"}
+    assert swept == {1, 2, 4, 8, 16, 32, 64, 128}  # every declared block size, not three
+    figures = [c for c in data["checks"] if c["capability"] == "head sizes" and c["head_size"] == 80]
+    assert figures and all(c["max_error"] is not None and c["nmse"] < 1e-3 for c in figures)
 
 
 def test_unavailable_device_stops_the_run_with_the_reason() -> None:
