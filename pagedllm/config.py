@@ -124,15 +124,29 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # contiguous layer stages, each a worker (or a TP group of workers); ranks are
+    # pp_rank * tensor_parallel_size + tp_rank
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+        _check(isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+               "pipeline_parallel_size", self.pipeline_parallel_size, "must be an integer >= 1")
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                "distributed_executor_backend", self.distributed_executor_backend,
                "allowed values are 'uni', 'mp', 'ray' or None")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        _check(self.world_size == 1 or self.distributed_executor_backend != "uni",
+               "distributed_executor_backend", self.distributed_executor_backend,
+               "'uni' runs one worker; with tensor_parallel_size * pipeline_parallel_size = "
+               f"{self.world_size} use 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        """Workers in all: tensor_parallel_size * pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -59,6 +59,9 @@ class ScheduledBatch:
     # engine after scheduling; the scheduler never sets it): bit t of row i set iff token t may
     # be sampled for seqs[i]; None when no sampled sequence is guided
     token_bitmask: Any = None
+    # which virtual engine (pipeline slot) scheduled this batch: its block ids index that
+    # engine's own KV cache (one per engine, as in vLLM 0.7); 0 without pipeline parallelism
+    virtual_engine: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -80,8 +80,31 @@ def verify_tensor_parallel(config: EngineConfig, backend: Backend, one_host: boo
                          f"can only be replicated evenly")
     # several ranks may share one device only with gloo (the CPU); NCCL-like libraries refuse
     if one_host and backend.dist_backend != "gloo":
+        pp = getattr(config.parallel, "pipeline_parallel_size", 1)
         count = backend.device_count()
-        if count < n:
-            raise ValueError(f"tensor_parallel_size={n} needs {n} {backend.name} devices on this "
+        if count < n * pp:
+            what = (f"tensor_parallel_size={n}" if pp == 1 else
+                    f"tensor_parallel_size={n} x pipeline_parallel_size={pp}")
+            raise ValueError(f"{what} needs {n * pp} {backend.name} devices on this "
                              f"host but {count} are visible; lower tensor_parallel_size or use "
                              f"distributed_executor_backend='ray' across several hosts")
+
+
+def verify_pipeline_parallel(config: EngineConfig, backend: Backend) -> None:
+    """Reject pipeline_parallel_size > 1 on a backend that does not declare it, or a split the
+    model cannot take, before any worker starts."""
+    from pagedllm.models.layers.pipeline import partition_layers
+
+    pp = config.parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    if not backend.capabilities.pipeline_parallel:
+        from pagedllm.backends.registry import discover
+
+        able = [i.name for i in discover().values()
+                if getattr(i, "cls", None) is not None and i.cls.capabilities.pipeline_parallel]
+        raise ValueError(f"pipeline_parallel_size={pp}: the {backend.name} backend does not "
+                         f"support pipeline parallelism (Capabilities.pipeline_parallel); "
+                         f"backends that do: {', '.join(able) or 'none installed'}; or use "
+                         f"pipeline_parallel_size=1")
+    partition_layers(config.model.get_num_layers(), pp)  # raises naming the problem

@@ -1,4 +1,5 @@
-"""The remote half of a distributed executor: one tensor-parallel rank's Worker.
+"""The remote half of a distributed executor: one rank's Worker (a tensor-parallel rank of a
+pipeline stage).
 
 The same object runs in a spawned process (``mp``) and as a Ray actor (``ray``); the executor
 calls its methods by name. Order of start-up matters: the Worker picks its device first, then
@@ -17,7 +18,7 @@ import torch
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,20 @@ class WorkerSpec:
     init_method: str  # tcp://HOST:PORT of rank 0's rendezvous store
     num_threads: int
     env: dict[str, str] = field(default_factory=dict)
+
+
+def stage_groups(config: EngineConfig, rank: int) -> tuple[TPGroup, PPGroup]:
+    """Global rank -> (its tensor-parallel group, its pipeline stage): ranks are
+    pp_rank * tp_size + tp_rank, and TP rank t of a stage talks to TP rank t of its neighbours."""
+    tp_size = config.parallel.tensor_parallel_size
+    pp_size = config.parallel.pipeline_parallel_size
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    pp = PPGroup(rank=pp_rank, size=pp_size,
+                 prev_rank=rank - tp_size if pp_rank > 0 else -1,
+                 next_rank=rank + tp_size if pp_rank < pp_size - 1 else -1)
+    # the TP group's process group: None (the world) without pipeline stages, else set once
+    # the process group exists
+    return TPGroup(rank=tp_rank, size=tp_size), pp
 
 
 def init_process_group(dist_backend: str, init_method: str, rank: int, world_size: int) -> None:
@@ -54,16 +69,30 @@ class WorkerWrapper:
         os.environ.update(spec.env)
         torch.set_num_threads(spec.num_threads)
         self.rank = spec.rank
-        tp = TPGroup(rank=spec.rank, size=spec.world_size)  # group None: the default (world) group
-        worker = spec.backend.worker_cls()(spec.config, spec.backend, rank=spec.rank, tp=tp)
+        tp, pp = stage_groups(spec.config, spec.rank)
+        worker = spec.backend.worker_cls()(spec.config, spec.backend, rank=spec.rank, tp=tp, pp=pp)
         init_process_group(spec.backend.dist_backend, spec.init_method, spec.rank, spec.world_size)
-        check = tp.all_reduce(torch.ones(1, device=worker.device))
+        if pp.size > 1 and tp.size > 1:  # every rank creates every stage's group, in one order
+            import torch.distributed as dist
+
+            for stage in range(pp.size):
+                group = dist.new_group(ranks=list(range(stage * tp.size, (stage + 1) * tp.size)))
+                if stage == pp.rank:
+                    tp.group = group
+        check = TPGroup(rank=spec.rank, size=spec.world_size).all_reduce(
+            torch.ones(1, device=worker.device))
         if int(check.item()) != spec.world_size:
             raise RuntimeError(f"the {spec.backend.dist_backend} all-reduce check returned "
                                f"{check.item()} instead of {spec.world_size}")
+        if pp.size > 1 and tp.size > 1:
+            check = tp.all_reduce(torch.ones(1, device=worker.device))
+            if int(check.item()) != tp.size:
+                raise RuntimeError(f"the stage's tensor-parallel all-reduce returned "
+                                   f"{check.item()} instead of {tp.size}")
         worker.load_model()
         self.worker = worker
-        logger.debug("rank %d of %d ready on %s (%s, %d threads)", spec.rank, spec.world_size,
+        logger.debug("rank %d of %d (stage %d of %d, layers %s) ready on %s (%s, %d threads)",
+                     spec.rank, spec.world_size, pp.rank, pp.size, worker.layer_range,
                      worker.device, spec.backend.dist_backend, spec.num_threads)
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -73,7 +102,7 @@ class WorkerWrapper:
         self.worker.init_cache(num_device_blocks, num_host_blocks)
 
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
-        """Rank 0 returns the samples; the other ranks return None."""
+        """The last stage's TP rank 0 returns the samples; the other ranks return None."""
         return self.worker.execute(batch)
 
     def pid(self) -> int:

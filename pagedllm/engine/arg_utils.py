@@ -62,6 +62,10 @@ class EngineArgs:
         "help": "Random seed for sampling and dummy weights."})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "Number of devices the model is sharded over."})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "Number of pipeline stages: the model's layers split into this many contiguous "
+                "stages, one worker (or one tensor-parallel group) each; "
+                "PAGEDLLM_PP_LAYER_PARTITION=3,5 sets an uneven split."})
     enforce_eager: bool = field(default=False, metadata={
         "help": "Run every step eagerly; capture no graphs (CUDA graphs, HPU graphs)."})
     load_format: str = field(default="auto", metadata={
@@ -116,6 +120,7 @@ class EngineArgs:
                                 policy=self.scheduling_policy)
         sched.resolve(model.max_model_len)
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                  pipeline_parallel_size=self.pipeline_parallel_size,
                                   distributed_executor_backend=self.distributed_executor_backend)
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel,
                             device=self.device, enforce_eager=self.enforce_eager,

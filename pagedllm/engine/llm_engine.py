@@ -10,12 +10,14 @@ from typing import Any
 from pagedllm.backends.registry import resolve_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.batch import ScheduledBatch
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
+from pagedllm.engine.virtual_engines import VirtualEngines
 from pagedllm.executor.base import make_executor
 from pagedllm.models.registry import check_model_supported
 from pagedllm.outputs import RequestMetrics, RequestOutput
@@ -58,10 +60,17 @@ class LLMEngine:
                                "kv_cache_space_gib / gpu_memory_utilization")
         config.cache.num_device_blocks, config.cache.num_host_blocks = num_device, num_host
         self.executor.init_cache(num_device, num_host)
-        self.block_manager = BlockManager(config.cache.block_size, num_device, num_host,
-                                          enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   can_swap=self.backend.capabilities.swap)
+        # one scheduler, block manager and (on the workers) KV cache of num_device blocks per
+        # virtual engine: pipeline_parallel_size of them keep that many batches in flight
+        self.schedulers = [
+            Scheduler(config.scheduler,
+                      BlockManager(config.cache.block_size, num_device, num_host,
+                                   enable_caching=config.cache.enable_prefix_caching),
+                      can_swap=self.backend.capabilities.swap)
+            for _ in range(config.parallel.pipeline_parallel_size)]
+        self.scheduler = self.schedulers[0]
+        self.block_manager = self.scheduler.block_manager
+        self.pipeline = VirtualEngines(self.schedulers) if len(self.schedulers) > 1 else None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.model.max_model_len)
         self._requests: dict[str, SequenceGroup] = {}
@@ -73,7 +82,7 @@ class LLMEngine:
         self._error: BaseException | None = None
         # schedule step N+1 while step N runs on the device (see Scheduler.schedule_ahead)
         self._ahead = (self.backend.capabilities.async_output and self.executor.supports_async
-                       and not config.disable_async_output_proc)
+                       and not config.disable_async_output_proc and self.pipeline is None)
         self._inflight: tuple[SchedulerOutput, PendingOutputs] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one's outputs were read
         logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d",
@@ -151,7 +160,7 @@ class LLMEngine:
         if params.guided_decoding is not None:
             self.guided.add(group)  # joins the scheduler once its grammar is compiled
         else:
-            self.scheduler.add(group)
+            (self.pipeline.assign(group) if self.pipeline else self.scheduler).add(group)
 
     def _prepare_logits_controls(self, params: SamplingParams) -> None:
         """Checks token ids against the vocabulary, tokenizes bad_words and parses the guided
@@ -177,7 +186,7 @@ class LLMEngine:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
         for group in self.guided.abort(ids):
             self._finish_unscheduled(group)
-        for group in self.scheduler.abort(ids):
+        for group in [g for s in self.schedulers for g in s.abort(ids)]:
             self._requests.pop(group.request_id, None)
             self._pending_outputs.append(self.output_processor.make_output(group))
 
@@ -188,6 +197,8 @@ class LLMEngine:
         if self._error is not None:
             raise RuntimeError(f"the engine failed earlier and cannot continue: {self._error}")
         self._admit_guided()
+        if self.pipeline is not None:
+            return self._step_pipelined()
         if self._inflight is not None:
             (sched, pending), self._inflight = self._inflight, None
         else:
@@ -227,6 +238,8 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput) -> PendingOutputs:
         sched.batch.token_bitmask = self.guided.bitmask(sched)
+        if self.pipeline is not None:
+            return self._guard(lambda: self.executor.submit(sched.batch))
         if self._ahead:
             return self._guard(lambda: self.executor.execute_async(sched.batch))
         return PendingOutputs(self._guard(lambda: self.executor.execute(sched.batch)))
@@ -239,10 +252,25 @@ class LLMEngine:
             self._error = exc
             raise
 
-    def _process(self, sched: Any, outputs: list) -> list[RequestOutput]:
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: every idle virtual engine launches its next batch, then the
+        oldest batch in flight is finished, so up to pipeline_parallel_size batches are in the
+        stages at once."""
+        assert self.pipeline is not None
+        self.pipeline.fill(self._launch)
+        entry = self.pipeline.pop()
+        if entry is None:  # nothing to run: report aborts
+            return self._process(SchedulerOutput(batch=ScheduledBatch()), [])
+        ve, sched, pending = entry
+        outputs = [] if pending is None else self._guard(pending.result)
+        self.schedulers[ve].after_step(sched)
+        return self._process(sched, outputs, self.schedulers[ve])
+
+    def _process(self, sched: Any, outputs: list,
+                 scheduler: Scheduler | None = None) -> list[RequestOutput]:
         self.guided.advance(sched, outputs)
         touched = self.output_processor.apply(sched, outputs, self._fork)
-        self.scheduler.free_finished()
+        (scheduler or self.scheduler).free_finished()
         results, self._pending_outputs = self._pending_outputs, []
         for group in [*sched.timed_out, *touched]:
             finished = group.is_finished()
@@ -250,30 +278,45 @@ class LLMEngine:
                 results.append(self.output_processor.make_output(group))
             if finished:
                 self._requests.pop(group.request_id, None)
+                if self.pipeline is not None:
+                    self.pipeline.forget(group.request_id)
                 self.guided.free(group.request_id)
         return results
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
         child = parent.fork(next(self._seq_ids), index)
-        self.block_manager.fork(parent, child)
+        bm = self.pipeline.block_manager_of(group) if self.pipeline else self.block_manager
+        bm.fork(parent, child)
         group.seqs.append(child)
         return child
 
     # --- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending_outputs)
-                or self._inflight is not None or self.guided.num_compiling > 0)
+        return (any(s.has_unfinished() for s in self.schedulers) or bool(self._pending_outputs)
+                or self._inflight is not None or self.guided.num_compiling > 0
+                or bool(self.pipeline and self.pipeline.in_flight))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished() + self.guided.num_compiling
+        return sum(s.num_unfinished() for s in self.schedulers) + self.guided.num_compiling
 
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.scheduler
-        return EngineStats(num_blocks=bm.num_device_blocks, num_free_blocks=bm.device.num_free,
-                           num_cached_blocks=bm.device.num_cached_idle, block_size=bm.block_size,
-                           num_running=len(s.running), num_waiting=len(s.waiting),
-                           num_swapped=len(s.swapped), num_preemptions=s.num_preemptions,
-                           kv_cache_usage=bm.usage())
+        if self.pipeline is None:
+            return EngineStats(num_blocks=bm.num_device_blocks, num_free_blocks=bm.device.num_free,
+                               num_cached_blocks=bm.device.num_cached_idle,
+                               block_size=bm.block_size, num_running=len(s.running),
+                               num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+                               num_preemptions=s.num_preemptions, kv_cache_usage=bm.usage())
+        bms = [x.block_manager for x in self.schedulers]  # virtual engines: totals
+        return EngineStats(
+            num_blocks=sum(b.num_device_blocks for b in bms),
+            num_free_blocks=sum(b.device.num_free for b in bms),
+            num_cached_blocks=sum(b.device.num_cached_idle for b in bms), block_size=bm.block_size,
+            num_running=sum(len(x.running) for x in self.schedulers),
+            num_waiting=sum(len(x.waiting) for x in self.schedulers),
+            num_swapped=sum(len(x.swapped) for x in self.schedulers),
+            num_preemptions=sum(x.num_preemptions for x in self.schedulers),
+            kv_cache_usage=sum(b.usage() for b in bms) / len(bms))
 
     def shutdown(self) -> None:
         self.guided.shutdown()

@@ -31,6 +31,12 @@ class Executor(ABC):
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
         return PendingOutputs(self.execute(batch))
 
+    def submit(self, batch: ScheduledBatch) -> PendingOutputs:
+        """Start ``batch`` and return at once where the executor can (pipeline stages run
+        batches of different virtual engines at the same time); ``result()`` calls must come in
+        submission order. This default runs the step to completion."""
+        return PendingOutputs(self.execute(batch))
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -39,7 +45,8 @@ class Executor(ABC):
 
 
 class MultiWorkerExecutor(Executor):
-    """Several workers (tensor-parallel ranks) that each run every call; rank 0 returns samples.
+    """Several workers that each run every call: ``tensor_parallel_size`` ranks per pipeline
+    stage, global rank pp_rank * tp_size + tp_rank; the last stage's TP rank 0 returns samples.
 
     Subclasses supply ``_call(method, *args) -> [result of each rank]`` (processes, Ray actors).
     """
@@ -58,11 +65,20 @@ class MultiWorkerExecutor(Executor):
     def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         self._call("init_cache", num_device_blocks, num_host_blocks)
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose reply carries the samples: TP rank 0 of the last stage."""
+        p = self.config.parallel
+        return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
-        return self._call("execute", self._pack(batch))[0] or []
+        return self._call("execute", self._pack(batch))[self.output_rank] or []
 
 
 def make_executor(config: EngineConfig, backend: Backend) -> Executor:
+    from pagedllm.distributed.utils import verify_pipeline_parallel
+
+    verify_pipeline_parallel(config, backend)  # before any worker starts
     kind = config.parallel.distributed_executor_backend
     if kind == "uni":
         from pagedllm.executor.uniproc import UniProcExecutor

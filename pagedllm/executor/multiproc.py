@@ -1,4 +1,4 @@
-"""Tensor parallelism on one host: one spawned worker process per rank.
+"""Tensor and pipeline parallelism on one host: one spawned worker process per rank.
 
 The driver (the engine's process) holds no model and no process group; it pickles each call
 once, sends it to every rank over a pipe and waits for all replies. Waiting also watches every
@@ -6,6 +6,10 @@ worker's process sentinel, so a worker that dies (SIGKILL, OOM, segfault) turns 
 WorkerDiedError within moments instead of a hang; after any failure the executor refuses
 further calls and its workers are terminated. Workers are stopped on ``shutdown()``, when the
 executor is garbage-collected, and at interpreter exit.
+
+``submit`` sends a step without waiting for its replies, so with pipeline stages several steps
+are in flight (each rank serves its pipe in order; stage i works on one step while stage i+1
+works on the one before); replies are read back in submission order.
 """
 from __future__ import annotations
 
@@ -15,17 +19,20 @@ import pickle
 import signal
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import RemoteFailure, WorkerDiedError, WorkerError, exit_reason
 from pagedllm.distributed.utils import (forwarded_env, get_open_port, loopback_interface,
                                         verify_tensor_parallel, worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
 from pagedllm.executor.base import MultiWorkerExecutor
+from pagedllm.worker.pending import PendingOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,22 @@ def _worker_main(conn: Connection, spec: WorkerSpec) -> None:
     wrapper.close()
 
 
+class _Submitted(PendingOutputs):
+    """A submitted step; ``result()`` reads the replies of it and of every step before it."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__([])
+        self._executor = executor
+        self.done = False
+
+    def set(self, outputs: list[SeqOutput]) -> None:
+        self._outputs, self.done = outputs, True
+
+    def result(self) -> list[SeqOutput]:
+        self._executor._read_through(self)
+        return self._outputs
+
+
 @dataclass
 class _WorkerHandle:
     rank: int
@@ -97,10 +120,11 @@ def _stop_workers(workers: list[_WorkerHandle], graceful: bool) -> None:
 class MultiprocExecutor(MultiWorkerExecutor):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         super().__init__(config, backend)
-        n = config.parallel.tensor_parallel_size
+        n = config.parallel.world_size
         verify_tensor_parallel(config, backend, one_host=True)
         self.world_size = n
         self._error: BaseException | None = None
+        self._submitted: deque[_Submitted] = deque()  # sent, replies not yet read (in order)
         ctx = mp.get_context("spawn")  # fork is unsafe once torch/CUDA threads exist
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         env = forwarded_env()
@@ -111,8 +135,9 @@ class MultiprocExecutor(MultiWorkerExecutor):
         for rank in range(n):
             spec = WorkerSpec(config, backend, rank, n, init_method, threads, env)
             parent, child = ctx.Pipe(duplex=True)
+            pp_rank, tp_rank = divmod(rank, config.parallel.tensor_parallel_size)
             proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True,
-                               name=f"pagedllm-tp{rank}")
+                               name=f"pagedllm-pp{pp_rank}-tp{tp_rank}")
             proc.start()
             child.close()
             self.workers.append(_WorkerHandle(rank, proc, parent))
@@ -122,8 +147,9 @@ class MultiprocExecutor(MultiWorkerExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("started %d tensor-parallel worker processes (%s, %d threads each)", n,
-                    backend.dist_backend, threads)
+        logger.info("started %d worker processes (tensor_parallel_size=%d, pipeline_parallel_size"
+                    "=%d; %s, %d threads each)", n, config.parallel.tensor_parallel_size,
+                    config.parallel.pipeline_parallel_size, backend.dist_backend, threads)
 
     # --- the Executor interface ----------------------------------------------------------
 
@@ -141,9 +167,30 @@ class MultiprocExecutor(MultiWorkerExecutor):
             self._finalizer.detach()
             _stop_workers(self.workers, graceful=self._error is None)
 
+    def submit(self, batch: ScheduledBatch) -> PendingOutputs:
+        self._send("execute", batch)
+        future = _Submitted(self)
+        self._submitted.append(future)
+        return future
+
+    def _read_through(self, future: _Submitted) -> None:
+        """Read the replies of every step submitted up to and including ``future``."""
+        while not future.done:
+            if self._error is not None:
+                raise WorkerError(f"the workers failed earlier ({self._error}); the engine must "
+                                  "be restarted") from self._error
+            head = self._submitted.popleft()
+            head.set(self._gather("execute")[self.output_rank] or [])
+
     # --- calls ---------------------------------------------------------------------------
     def _call(self, method: str, *args: Any) -> list[Any]:
         """Run ``method(*args)`` on every rank; the results in rank order."""
+        if self._submitted:
+            self._read_through(self._submitted[-1])  # replies arrive in order: older first
+        self._send(method, *args)
+        return self._gather(method)
+
+    def _send(self, method: str, *args: Any) -> None:
         if self._error is not None:
             raise WorkerError(f"the tensor-parallel workers failed earlier ({self._error}); "
                               "the engine must be restarted") from self._error
@@ -156,7 +203,6 @@ class MultiprocExecutor(MultiWorkerExecutor):
             except OSError:
                 self._fail(self._died(w, method) if not w.process.is_alive()
                            else WorkerDiedError(f"worker rank {w.rank} stopped reading its pipe"))
-        return self._gather(method)
 
     def _gather(self, method: str) -> list[Any]:
         """One reply per rank, watching every process so that a death ends the wait at once."""

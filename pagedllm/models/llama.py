@@ -13,6 +13,8 @@ from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
                                            QKVParallelLinear, RowParallelLinear)
+from pagedllm.models.layers.pipeline import (PPMissingLayer, empty_intermediate, is_pp_missing,
+                                             make_layers)
 from pagedllm.models.layers.rotary import RotaryEmbedding
 from pagedllm.models.loader_utils import load_named_weights
 
@@ -116,30 +118,51 @@ class LlamaForCausalLM(nn.Module):
         self.ctx = ctx
         biases = self.attention_biases(config)
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.rotary = RotaryEmbedding(config, head_size, max_positions, ctx.dtype, ctx.device)
-        self.layers = nn.ModuleList([
-            self.layer_cls(config, ctx, self.rotary, biases,
-                              layer_sliding_window(config, i, max_positions), layer_idx=i)
-            for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        pp = self.pp = ctx.pp
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
-        if self.tie_word_embeddings:
+        # the first stage embeds; the last runs the final norm and the LM head (tied: the embedding)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if pp.is_first or (pp.is_last and self.tie_word_embeddings)
+                             else PPMissingLayer())
+        self.rotary = RotaryEmbedding(config, head_size, max_positions, ctx.dtype, ctx.device)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: self.layer_cls(config, ctx, self.rotary, biases,
+                                        layer_sliding_window(config, i, max_positions), layer_idx=i),
+            pp.rank, pp.size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if pp.is_last else None
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if pp.is_last
+                        else PPMissingLayer())
+        if self.tie_word_embeddings and pp.is_last:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                intermediate: dict[str, torch.Tensor] | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Final hidden states [num_tokens, hidden] on the last stage; on the others
+        {"hidden_states", "residual"} for the next. ``kv_caches`` holds this stage's layers
+        only; ``intermediate`` is the previous stage's output (None on the first)."""
         cos_sin = self.rotary(positions, metadata)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if self.pp.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             hidden, residual = layer(positions, cos_sin, hidden, residual, kv_cache, metadata)
+        if not self.pp.is_last:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden, out)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
+                                        device: torch.device) -> dict[str, torch.Tensor]:
+        return empty_intermediate(("hidden_states", "residual"), num_tokens,
+                                  self.config.hidden_size, dtype, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
@@ -149,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None
-            return name.replace("self_attn.o_proj.bias", "self_attn.o_proj.out_bias") \
+            name = name.replace("self_attn.o_proj.bias", "self_attn.o_proj.out_bias") \
                        .replace("mlp.down_proj.bias", "mlp.down_proj.out_bias")
+            return None if is_pp_missing(self, name) else name  # another stage's tensor
 
         return load_named_weights(self, weights, rename, self.stacked)
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
+from pagedllm.distributed.parallel_state import PPGroup
 from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.logits_controls import ApplyTokenBitmask
@@ -185,6 +186,24 @@ class ModelRunner:
             outputs[i].prompt_logprobs = prompt_logprobs(logits[row:row + n], targets, k)
             row += n
         return PendingOutputs(outputs, [i for i, _ in inp.sample_rows], pending)
+
+    @torch.inference_mode()
+    def execute_stage(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor],
+                      pp: PPGroup) -> list[SeqOutput] | None:
+        """One pipeline stage's share of the step: receive the previous stage's activations
+        (unless first), run this stage's layers, then send them on, or (last stage) compute the
+        logits and sample. ``kv_caches`` are this stage's layers' caches."""
+        inp = self.prepare(batch)
+        intermediate = None
+        if not pp.is_first:
+            dtype = next(self.model.parameters()).dtype
+            intermediate = pp.recv(self.model.make_empty_intermediate_tensors(
+                inp.num_real_tokens, dtype, self.device))
+        out = self.model(inp.input_ids, inp.positions, kv_caches, inp.metadata, intermediate)
+        if not pp.is_last:
+            pp.send(out)
+            return None
+        return self.sample(batch, inp, self.model.compute_logits(out[inp.logit_rows]))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:

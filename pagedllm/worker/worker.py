@@ -14,9 +14,10 @@ from torch import nn
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.models.layers.ops import Ops
+from pagedllm.models.layers.pipeline import get_pp_indices
 from pagedllm.models.loader import load_model
 from pagedllm.worker.host_memory import lazy_zeros
 from pagedllm.worker.model_runner import ModelRunner
@@ -34,11 +35,21 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class Worker:
     def __init__(self, config: EngineConfig, backend: Backend, rank: int = 0,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, pp: PPGroup | None = None) -> None:
         self.config = config
         self.backend = backend
         self.rank = rank
         self.tp = tp or TPGroup()
+        self.pp = pp or PPGroup()
+        # this stage's decoder layers [start, end): it holds their weights and KV cache only
+        self.layer_range = get_pp_indices(config.model.get_num_layers(), self.pp.rank,
+                                          self.pp.size)
+        self.num_layers = self.layer_range[1] - self.layer_range[0]
+        # one KV cache (and host swap space) per virtual engine: the batches of different
+        # engines are in flight in different stages at once (vLLM 0.7's virtual engines)
+        self.num_virtual_engines = config.parallel.pipeline_parallel_size
+        self.ve_kv_caches: list[list[torch.Tensor]] = []
+        self.ve_host_caches: list[list[torch.Tensor]] = []
         self.dtype = torch_dtype(config.model.dtype)
         self.device = self.select_device()
         self.model: nn.Module | None = None
@@ -87,7 +98,7 @@ class Worker:
         ops = Ops()
         self.backend.register_ops(ops)
         ctx = LayerContext(ops=ops, tp=self.tp, dtype=self.dtype, device=self.device,
-                           attn_cls=self.attn_cls)
+                           attn_cls=self.attn_cls, pp=self.pp)
         with torch.inference_mode():
             self.model = load_model(self.config.model, ctx)
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
@@ -121,9 +132,12 @@ class Worker:
                                      sampling_params=params, num_samples=1, prompt_len=n))
             next_block += blocks
         caches = [torch.zeros(self.kv_layer_shape(next_block), dtype=self.dtype, device=self.device)
-                  for _ in range(self.config.model.get_num_layers())]
+                  for _ in range(self.num_layers)]
         assert self.runner is not None
-        self.runner.execute(ScheduledBatch(seqs=seqs), caches)
+        if self.pp.size > 1:  # every stage profiles at once: activations pass along the pipeline
+            self.runner.execute_stage(ScheduledBatch(seqs=seqs), caches, self.pp)
+        else:
+            self.runner.execute(ScheduledBatch(seqs=seqs), caches)
         del caches
 
     def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -134,31 +148,35 @@ class Worker:
 
     def block_bytes(self) -> int:
         per_layer = math.prod(self.kv_layer_shape(1)) * torch.tensor([], dtype=self.dtype).element_size()
-        return per_layer * self.config.model.get_num_layers()
+        return per_layer * self.num_layers * self.num_virtual_engines
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, host blocks) for the cache, from the memory budget."""
+        """(device blocks, host blocks) per virtual engine, from the memory budget."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
-            num_device = cache.num_gpu_blocks_override
+            num_device = cache.num_gpu_blocks_override // self.num_virtual_engines
         else:
             num_device = self.available_kv_bytes() // self.block_bytes()
         num_host = int(cache.swap_space_gib * GiB) // self.block_bytes() if self.backend.capabilities.swap else 0
         return int(num_device), int(num_host)
 
     def init_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        layers = self.config.model.get_num_layers()
+        """``num_device_blocks`` / ``num_host_blocks`` per virtual engine."""
         shape = self.kv_layer_shape(num_device_blocks)
-        self.kv_caches = [self.allocate_device_cache(shape) for _ in range(layers)]
+        self.ve_kv_caches = [[self.allocate_device_cache(shape) for _ in range(self.num_layers)]
+                             for _ in range(self.num_virtual_engines)]
+        self.kv_caches = self.ve_kv_caches[0]
         self.num_host_blocks = num_host_blocks  # host caches are allocated on first swap-out
+        self.ve_host_caches = [[] for _ in range(self.num_virtual_engines)]
         self.after_cache_init()
 
-    def _host(self) -> list[torch.Tensor]:
-        if not self.host_caches and self.num_host_blocks > 0:
+    def _host(self, virtual_engine: int = 0) -> list[torch.Tensor]:
+        if not self.ve_host_caches[virtual_engine] and self.num_host_blocks > 0:
             shape = self.kv_layer_shape(self.num_host_blocks)
-            self.host_caches = [self.allocate_host_cache(shape)
-                                for _ in range(self.config.model.get_num_layers())]
-        return self.host_caches
+            self.ve_host_caches[virtual_engine] = [self.allocate_host_cache(shape)
+                                                   for _ in range(self.num_layers)]
+        self.host_caches = self.ve_host_caches[0]
+        return self.ve_host_caches[virtual_engine]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
@@ -166,8 +184,18 @@ class Worker:
         self._move_blocks(batch)
         if not batch.seqs:
             return []
-        outputs = self.run_model(batch)
-        return outputs if self.rank == 0 else None
+        if self.pp.size > 1:
+            assert self.runner is not None
+            outputs = self.runner.execute_stage(batch, self.ve_kv_caches[batch.virtual_engine],
+                                                self.pp)
+        else:
+            outputs = self.run_model(batch)
+        return outputs if self.is_output_rank else None
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose samples the executor returns: TP rank 0 of the last stage."""
+        return self.tp.rank == 0 and self.pp.is_last
 
     @torch.inference_mode()
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
@@ -177,12 +205,14 @@ class Worker:
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         ops = self.cache_ops
+        ve = batch.virtual_engine
+        caches = self.ve_kv_caches[ve] if self.ve_kv_caches else self.kv_caches
         if batch.blocks_to_swap_out:
-            ops.swap_blocks(self.kv_caches, self._host(),
+            ops.swap_blocks(caches, self._host(ve),
                             torch.tensor(batch.blocks_to_swap_out, dtype=torch.int64))
         if batch.blocks_to_swap_in:
-            ops.swap_blocks(self._host(), self.kv_caches,
+            ops.swap_blocks(self._host(ve), caches,
                             torch.tensor(batch.blocks_to_swap_in, dtype=torch.int64))
         if batch.blocks_to_copy:
-            ops.copy_blocks(self.kv_caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
-                                                         device=self.device))
+            ops.copy_blocks(caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
+                                                 device=self.device))

@@ -24,7 +24,8 @@ class CudaBackend(Backend):
                                 # csrc/paged_attention.cu's head-size switch; its GQA tiles 1/4/8
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 chunked_prefill=True, dtypes=("bfloat16", "float16", "float32"),
-                                preferred_block_size=16, block_sizes=(16, 32), async_output=True)
+                                preferred_block_size=16, block_sizes=(16, 32), async_output=True,
+                                pipeline_parallel=True)
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32

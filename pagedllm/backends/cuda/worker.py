@@ -24,7 +24,8 @@ class CudaWorker(Worker):
     graphs: DecodeGraphs | None = None
 
     def select_device(self) -> torch.device:
-        device = torch.device("cuda", self.tp.rank % max(1, torch.cuda.device_count()))
+        # one device per rank of the whole world (pp_rank * tp_size + tp_rank) on one host
+        device = torch.device("cuda", self.rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         return device
 
@@ -47,7 +48,7 @@ class CudaWorker(Worker):
         return max(0, budget)
 
     def after_cache_init(self) -> None:
-        if self.config.enforce_eager:
+        if self.config.enforce_eager or self.pp.size > 1:  # a stage's graphs: not yet
             return
         assert self.model is not None
         sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)

@@ -5,12 +5,12 @@ split the input dim and all-reduce the partial sums. With one rank both are plai
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.models.layers.ops import Ops
 
 
@@ -23,6 +23,7 @@ class LayerContext:
     dtype: torch.dtype
     device: torch.device
     attn_cls: type
+    pp: PPGroup = field(default_factory=PPGroup)  # the pipeline stage this model shard runs
 
 
 class LinearBase(nn.Module):

@@ -1,0 +1,166 @@
+"""Pipeline parallelism on the cpu (gloo, one worker process per rank): PP=2 and PP=2 x TP=2 give
+the single-process engine's greedy tokens on every architecture, plain and with prefix caching,
+chunked prefill and preemption by swapping; each stage holds only its layers; bad splits and
+backends without pipeline support are refused before any worker starts."""
+from __future__ import annotations
+
+import multiprocessing
+import types
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.distributed.parallel_state import PPGroup
+from pagedllm.distributed.utils import verify_pipeline_parallel
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.models.layers.pipeline import (PP_LAYER_PARTITION_ENV, PPMissingLayer,
+                                             get_pp_indices, partition_layers)
+from tp_utils import greedy
+
+pytestmark = pytest.mark.timeout(600)
+
+ARCHS = ["llama", "qwen2", "opt"]
+# as test_tensor_parallel's FEATURES (so the PP=1 reference is shared), but 6 blocks in all:
+# 3 per virtual engine, too few for its sequences, so they preempt each other by swapping
+FEATURES = dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+                max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+                preemption_mode="swap")
+FEATURE_TOKENS = 20
+
+
+# --- the layer split --------------------------------------------------------------------
+@pytest.mark.parametrize("layers,stages,counts", [
+    (2, 2, [1, 1]), (4, 2, [2, 2]), (3, 2, [2, 1]), (7, 3, [2, 3, 2]), (5, 4, [1, 1, 2, 1]),
+    (5, 1, [5]),
+])
+def test_even_split(layers: int, stages: int, counts: list[int], monkeypatch) -> None:
+    monkeypatch.delenv(PP_LAYER_PARTITION_ENV, raising=False)
+    assert partition_layers(layers, stages) == counts
+    bounds = [get_pp_indices(layers, r, stages) for r in range(stages)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no gap
+
+
+def test_partition_override(monkeypatch) -> None:
+    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "3, 1")
+    assert [get_pp_indices(4, r, 2) for r in range(2)] == [(0, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("raw,match", [
+    ("3,2", "covers 5 layers but the model has 4"), ("4", "names 1 stages"),
+    ("4,0", "each >= 1"), ("a,b", "comma-separated layer counts"),
+])
+def test_bad_partition_override(raw: str, match: str, monkeypatch) -> None:
+    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, raw)
+    with pytest.raises(ValueError, match=f"PAGEDLLM_PP_LAYER_PARTITION={raw!r}.*{match}"):
+        partition_layers(4, 2)
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 is larger than the model's 2"):
+        partition_layers(2, 3)
+
+
+# --- refusals ---------------------------------------------------------------------------
+def test_backend_without_pipeline_support_is_refused(checkpoint_factory) -> None:
+    config = EngineArgs(model=checkpoint_factory("llama"), device="cpu",
+                        pipeline_parallel_size=2).create_engine_config()
+    backend = types.SimpleNamespace(name="tpu",
+                                    capabilities=types.SimpleNamespace(pipeline_parallel=False))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: the tpu backend does not "
+                                         "support pipeline parallelism.*backends that do: .*cpu"):
+        verify_pipeline_parallel(config, backend)
+
+
+def test_bad_sizes_are_refused_before_spawning(checkpoint_factory) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="pipeline_parallel_size=0 is invalid"):
+        EngineArgs(model=checkpoint_factory("llama"), pipeline_parallel_size=0
+                   ).create_engine_config()
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' is invalid"):
+        EngineArgs(model=checkpoint_factory("llama"), pipeline_parallel_size=2,
+                   distributed_executor_backend="uni").create_engine_config()
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        LLM(checkpoint_factory("llama"), device="cpu", pipeline_parallel_size=3)
+    assert set(multiprocessing.active_children()) <= before
+
+
+# --- a stage holds only its layers --------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stage_holds_only_its_layers(arch: str, checkpoint_factory, monkeypatch) -> None:
+    """Stage 1 of 2 of a 3-layer model split 1,2: layers 1-2's weights and KV caches only, no
+    embedding unless the LM head is tied to it; loading skips the other stage's tensors."""
+    from pagedllm.backends.registry import resolve_backend
+
+    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
+    config = EngineArgs(model=checkpoint_factory(arch, num_hidden_layers=3), device="cpu",
+                        dtype="float32", pipeline_parallel_size=2,
+                        num_gpu_blocks_override=8).create_engine_config()
+    backend = resolve_backend("cpu")
+    backend.check_and_update_config(config)
+    stage = {}
+    for rank in range(2):
+        worker = backend.worker_cls()(config, backend, rank=rank, pp=PPGroup(rank=rank, size=2))
+        worker.load_model()
+        stage[rank] = worker
+    first, last = stage[0].model, stage[1].model
+    assert [isinstance(m, PPMissingLayer) for m in first.layers] == [False, True, True]
+    assert [isinstance(m, PPMissingLayer) for m in last.layers] == [True, False, False]
+    assert not any(".1." in n or ".2." in n for n, _ in first.named_parameters())
+    assert isinstance(first.lm_head, PPMissingLayer)
+    tied = arch != "llama"  # the qwen2 and opt checkpoints tie the LM head to the embedding
+    assert isinstance(last.embed_tokens, PPMissingLayer) != tied
+    num_blocks, _ = stage[1].determine_num_blocks()
+    assert num_blocks == 8 // 2  # the blocks are shared among the 2 virtual engines
+    stage[1].after_cache_init = lambda: None  # its warm-up step would wait for stage 0
+    stage[1].init_cache(num_blocks, 0)
+    assert [len(c) for c in stage[1].ve_kv_caches] == [2, 2]  # per virtual engine: its layers
+    assert stage[1].ve_kv_caches[0][0].shape[1] == num_blocks
+
+
+# --- equality with the single-process engine -------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pp2_matches_pp1(arch: str, checkpoint_factory, tp1_tokens) -> None:
+    expected = tp1_tokens(arch, {})
+    llm = LLM(checkpoint_factory(arch), device="cpu", dtype="float32", pipeline_parallel_size=2)
+    engine = llm.llm_engine
+    workers = [w.process for w in engine.executor.workers]
+    try:
+        assert engine.config.parallel.distributed_executor_backend == "mp"
+        assert len(engine.schedulers) == 2
+        assert greedy(llm) == expected
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in workers)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2xtp2"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pp2_with_chunked_prefill_prefix_caching_and_swap(arch: str, tp: int, checkpoint_factory,
+                                                          tp1_tokens) -> None:
+    """Block moves (swap out/in, copy-on-write) reach every stage's cache of the right virtual
+    engine; prefix-cache hits and chunked prompts cross the stages."""
+    expected = tp1_tokens(arch, {}, FEATURE_TOKENS, num_gpu_blocks_override=4, **FEATURES)
+    llm = LLM(checkpoint_factory(arch), device="cpu", dtype="float32", pipeline_parallel_size=2,
+              tensor_parallel_size=tp, num_gpu_blocks_override=6, **FEATURES)
+    engine = llm.llm_engine
+    try:
+        assert engine.executor.world_size == 2 * tp
+        assert greedy(llm, max_tokens=FEATURE_TOKENS) == expected
+        assert greedy(llm, max_tokens=FEATURE_TOKENS) == expected  # prefix-cache hits
+        assert engine.stats().num_preemptions > 0
+        assert sum(s.block_manager.num_prefix_hit_blocks for s in engine.schedulers) > 0
+    finally:
+        engine.shutdown()
+
+
+def test_uneven_split_matches_pp1(checkpoint_factory, tp1_tokens, monkeypatch) -> None:
+    """PAGEDLLM_PP_LAYER_PARTITION reaches the worker processes."""
+    expected = tp1_tokens("llama", {"num_hidden_layers": 3})
+    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
+    llm = LLM(checkpoint_factory("llama", num_hidden_layers=3), device="cpu", dtype="float32",
+              pipeline_parallel_size=2)
+    try:
+        assert greedy(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()
