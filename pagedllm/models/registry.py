@@ -52,6 +52,10 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
                                      ("sliding_window",)),
     "Qwen2ForCausalLM": ModelEntry("pagedllm.models.llama:Qwen2ForCausalLM", ("sliding_window",)),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM"),
+    "Gemma2ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM",
+                                    ("sliding_window", "logits_soft_cap")),
+    "Gemma3ForCausalLM": ModelEntry("pagedllm.models.gemma3:Gemma3ForCausalLM",
+                                    ("sliding_window", "logits_soft_cap")),
     "Qwen3ForCausalLM": ModelEntry("pagedllm.models.qwen3:Qwen3ForCausalLM", ("sliding_window",)),
     "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", ("sliding_window",)),
 }

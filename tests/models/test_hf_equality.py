@@ -16,6 +16,9 @@ CASES: dict[str, tuple[str, dict]] = {arch: (arch, {}) for arch in ARCHS}
 CASES.update({
     "mistral_window6": ("mistral", dict(sliding_window=6)),
     "qwen2_window5": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    # sliding/global layers, soft caps, local/global rope (testing/checkpoints.py)
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
 })
 MAX_TOKENS = 20
 MODES = {

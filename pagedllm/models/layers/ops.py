@@ -46,6 +46,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma's gelu_pytorch_tanh gate)."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
+
+
 def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] -> (argmax [rows] int64, its logprob [rows] float32): the sampler's
     draw for rows that are plain greedy (worker/sampler.py), one fused op on backends that
@@ -77,12 +83,14 @@ class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
     NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
+             "gelu_tanh_and_mul",
              "apply_token_bitmask")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
         self.rotary: Callable[..., torch.Tensor] = rotary
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+        self.gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
         self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
