@@ -16,6 +16,9 @@ PREEMPTION_MODES = (None, "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+# weight quantization methods (models/layers/quantization; vLLM's names) and KV-cache dtypes
+QUANTIZATION_METHODS = (None, "awq", "gptq", "compressed-tensors", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # the attention implementation when none is given (like vLLM's VLLM_ATTENTION_BACKEND)
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
@@ -41,9 +44,13 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"
     hf_config: Any = field(default=None, repr=False)
+    # None: the checkpoint's quantization_config decides; a name forces (or checks) the method
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
+        _check(self.quantization in QUANTIZATION_METHODS, "quantization", self.quantization,
+               "allowed values are " + ", ".join(map(repr, QUANTIZATION_METHODS)))
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
                f"allowed values are {', '.join(LOAD_FORMATS)}")
         _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
@@ -73,6 +80,8 @@ class CacheConfig:
     kv_cache_space_gib: float | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = False
+    # "auto": the model dtype; "fp8" (= "fp8_e4m3"): e4m3 values with per-tensor k/v scales
+    cache_dtype: str = "auto"
     # set once the worker has sized the cache
     num_device_blocks: int = 0
     num_host_blocks: int = 0
@@ -87,6 +96,10 @@ class CacheConfig:
                "kv_cache_space_gib", self.kv_cache_space_gib, "must be > 0 (GiB) or None")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
                "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be > 0 or None")
+        _check(self.cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.cache_dtype,
+               f"allowed values are {', '.join(KV_CACHE_DTYPES)}")
+        if self.cache_dtype == "fp8_e4m3":
+            self.cache_dtype = "fp8"
 
 
 @dataclass

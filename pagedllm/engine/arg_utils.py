@@ -85,6 +85,15 @@ class EngineArgs:
     disable_async_output_proc: bool = field(default=False, metadata={
         "help": "Wait for each step's tokens before scheduling the next (cuda/rocm launch step "
                 "N+1 while step N runs by default)."})
+    quantization: str | None = field(default=None, metadata={
+        "help": "Weight quantization method; default: the checkpoint's quantization_config. "
+                "A method given must match the checkpoint's; fp8 quantizes a float checkpoint's "
+                "linears to FP8 at load time.",
+        "choices": ("awq", "gptq", "compressed-tensors", "fp8")})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache dtype: auto (the model dtype) or fp8 (= fp8_e4m3; e4m3 values with "
+                "per-tensor k/v scales from the checkpoint, else 1.0).",
+        "choices": ("auto", "fp8", "fp8_e4m3")})
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -105,14 +114,15 @@ class EngineArgs:
                      else model_path)
         model = ModelConfig(model=model_path, tokenizer=tokenizer,
                             dtype=self.dtype, seed=self.seed, load_format=self.load_format,
-                            hf_config=hf_config)
+                            hf_config=hf_config, quantization=self.quantization)
         model.max_model_len = derive_max_model_len(hf_config, self.max_model_len)
         cache = CacheConfig(block_size=self.block_size,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             swap_space_gib=self.swap_space,
                             kv_cache_space_gib=self.kv_cache_space_gib,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            cache_dtype=self.kv_cache_dtype)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens or 0,
                                 enable_chunked_prefill=self.enable_chunked_prefill,

@@ -12,6 +12,8 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.embedding import ParallelLMHead
 from pagedllm.models.layers.linear import LayerContext, LinearBase
+from pagedllm.models.layers.quantization import get_quantization_config
+from pagedllm.models.layers.quantization.dummy import init_dummy_quantized
 from pagedllm.models.registry import MODEL_REGISTRY, model_class, resolve_architecture  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             if "norm" in name:
                 param.fill_(1.0)
                 continue
+            if param.dtype.itemsize == 1 or not param.is_floating_point():
+                continue  # quantized codes and group indices: init_dummy_quantized
             gen = gens.setdefault(param.device,
                                   torch.Generator(device=param.device).manual_seed(seed))
             param.uniform_(-1e-3, 1e-3, generator=gen)
@@ -53,17 +57,27 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 def prepare_linears(model: nn.Module, ctx: LayerContext) -> None:
     for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)):
+        if isinstance(module, LinearBase) and module.quant is not None:
+            ctx.quant.process_after_loading(module)
+            ctx.ops.quant_linear_prepare(module)
+        elif isinstance(module, (LinearBase, ParallelLMHead)):
             ctx.ops.linear_prepare(module)
 
 
 def load_model(model_config: ModelConfig, ctx: LayerContext) -> nn.Module:
     arch = resolve_architecture(model_config.hf_config)
     cls = model_class(arch)
+    ctx.quant = get_quantization_config(model_config.hf_config,
+                                        getattr(model_config, "quantization", None))
+    if ctx.quant is not None:
+        logger.info("quantized linears: %s", ctx.quant.describe())
     model = cls(model_config.hf_config, ctx, max_positions=model_config.max_model_len)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
+        if ctx.quant is not None:
+            init_dummy_quantized(model, model_config.seed)
     else:
-        model.load_weights(iterate_checkpoint(model_config.model, model_config.load_format))
+        weights = iterate_checkpoint(model_config.model, model_config.load_format)
+        model.load_weights(weights if ctx.quant is None else ctx.quant.convert(weights))
     prepare_linears(model, ctx)
     return model.eval()

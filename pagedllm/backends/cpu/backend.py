@@ -30,7 +30,8 @@ class CpuBackend(Backend):
                                 # the torch attention has both; attention_cls picks it when the
                                 # model needs one the native kernels do not declare
                                 attention_features=("sliding_window", "logits_soft_cap"),
-                                dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True)
+                                dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True,
+                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"))
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
 

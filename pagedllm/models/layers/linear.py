@@ -6,6 +6,7 @@ split the input dim and all-reduce the partial sums. With one rank both are plai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,20 +25,41 @@ class LayerContext:
     device: torch.device
     attn_cls: type
     pp: PPGroup = field(default_factory=PPGroup)  # the pipeline stage this model shard runs
+    # the checkpoint's quantization (models/layers/quantization QuantizationConfig) or None
+    quant: Any = None
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b); W is this rank's [out_local, in_local] shard."""
+    """y = x W^T (+ b); W is this rank's [out_local, in_local] shard.
+
+    Under a quantized checkpoint (``ctx.quant``) W holds codes and ``self.quant`` the scales
+    (models/layers/quantization/base.py), and ``ops.quant_linear`` multiplies.
+    """
+
+    splits_input = False  # row-parallel: the input dim is sharded
 
     def __init__(self, in_local: int, out_local: int, bias: bool, ctx: LayerContext) -> None:
         super().__init__()
         self.ctx = ctx
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=ctx.dtype,
-                                               device=ctx.device), requires_grad=False)
+        method = ctx.quant
+        quantized_now = method is not None and not method.quantize_at_load
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, device=ctx.device,
+                                               dtype=method.weight_dtype if quantized_now
+                                               else ctx.dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_local, dtype=ctx.dtype, device=ctx.device),
                                   requires_grad=False) if bias else None)
+        self.quant = None
+        if method is not None:
+            from pagedllm.models.layers.quantization.base import QuantParams
+
+            self.quant = QuantParams(self, in_local, out_local, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.ctx.ops.quant_linear(x, self)
         return self.ctx.ops.linear(x, self)
 
     def _copy(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -65,7 +87,7 @@ class ColumnParallelLinear(LinearBase):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.ops.linear(x, self)
+        y = self._matmul(x)
         return self.ctx.tp.all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
@@ -133,13 +155,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Splits the input dim; the partial products are all-reduced, then the bias is added."""
 
+    splits_input = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: LayerContext) -> None:
         super().__init__(ctx.tp.shard(in_features, "input size"), out_features, False, ctx)
         self.out_bias = (nn.Parameter(torch.empty(out_features, dtype=ctx.dtype, device=ctx.device),
                                       requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.tp.all_reduce(self.ctx.ops.linear(x, self))
+        y = self.ctx.tp.all_reduce(self._matmul(x))
         return y + self.out_bias if self.out_bias is not None else y
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.models.layers.quantization.reference import quant_linear, quant_linear_prepare
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +86,7 @@ class Ops:
 
     NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
              "gelu_tanh_and_mul",
-             "apply_token_bitmask")
+             "apply_token_bitmask", "quant_linear", "quant_linear_prepare")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
@@ -97,6 +99,10 @@ class Ops:
             greedy_logprobs
         self.apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = \
             apply_token_bitmask
+        # quantized linears (models/layers/quantization): x [T, in] -> [T, out]; prepare runs
+        # once per layer after loading
+        self.quant_linear: Callable[[torch.Tensor, Any], torch.Tensor] = quant_linear
+        self.quant_linear_prepare: Callable[[torch.nn.Module], None] = quant_linear_prepare
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:
