@@ -100,6 +100,10 @@ class Backend(ABC):
     ray_resource: ClassVar[str | None] = None
     # where the plugin came from: "built-in" or the installing package (set by the registry)
     source: str = "built-in"
+    # the plugin API ("major.minor", pagedllm.backends.PLUGIN_API_VERSION) this plugin was
+    # written for; the registry refuses another major or a newer minor. None: not stated
+    # (accepted, and shown as such by `pagedllm backends`). Built-ins track the current one.
+    plugin_api_version: ClassVar[str | None] = None
 
     @classmethod
     @abstractmethod
@@ -184,6 +188,8 @@ class BackendInfo:
 
     def availability(self) -> tuple[bool, str]:
         if self.cls is None:
+            if self.error and self.error.startswith("refused"):
+                return False, self.error
             return False, f"failed to load: {self.error}"
         try:
             return self.cls.availability()

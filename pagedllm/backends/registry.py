@@ -6,6 +6,7 @@ import logging
 import os
 from importlib.metadata import entry_points
 
+from pagedllm.backends import PLUGIN_API_VERSION
 from pagedllm.backends.interface import Backend, BackendInfo
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,43 @@ def _plugin_filter() -> set[str] | None:
     return {n.strip() for n in raw.split(",") if n.strip()} if raw else None
 
 
+def _version(text: str) -> tuple[int, int]:
+    major, _, minor = str(text).partition(".")
+    return int(major), int(minor or 0)
+
+
+def api_incompatibility(stated: str | None, current: str = PLUGIN_API_VERSION) -> str | None:
+    """Why a plugin written for plugin API ``stated`` cannot load here (None: it can).
+
+    Same major and a minor no newer than ours: compatible (minors only add optional surface
+    with safe defaults). Not stated: accepted (the plugin predates versioning)."""
+    if stated is None:
+        return None
+    try:
+        want, have = _version(stated), _version(current)
+    except ValueError:
+        return (f"refused: plugin_api_version={stated!r} is not 'major.minor'; this pagedllm "
+                f"implements plugin API {current}")
+    if want[0] != have[0]:
+        return (f"refused: written for plugin API {stated}, this pagedllm implements {current} "
+                f"(major versions must match); install a plugin release for API {have[0]}.x or "
+                f"a pagedllm implementing {want[0]}.x (changelog: docs/porting.md)")
+    if want[1] > have[1]:
+        return (f"refused: written for plugin API {stated}, newer than this pagedllm's {current}; "
+                "upgrade pagedllm")
+    return None
+
+
+def _check_plugin(ep_name: str, cls: object, value: str) -> None:
+    """An entry point must name a Backend subclass whose ``name`` is the entry point's name."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"{value} is not a pagedllm Backend subclass")
+    name = getattr(cls, "name", None)
+    if name != ep_name:
+        raise ValueError(f"entry point {ep_name!r} loads {cls.__name__} whose Backend.name is "
+                         f"{name!r}; the two must be equal (fix the entry point or the class)")
+
+
 def discover() -> dict[str, BackendInfo]:
     """All known backends by name. Plugins that fail to import are listed with their error.
 
@@ -54,7 +92,8 @@ def discover() -> dict[str, BackendInfo]:
         if not _builtin_present(target):
             continue
         try:
-            infos[name] = BackendInfo(name, "built-in", _load(target))
+            infos[name] = BackendInfo(name, "built-in", _load(target),
+                                      extra={"plugin_api_version": PLUGIN_API_VERSION})
         except Exception as exc:
             infos[name] = BackendInfo(name, "built-in", error=f"{type(exc).__name__}: {exc}")
     allowed = _plugin_filter()
@@ -68,10 +107,16 @@ def discover() -> dict[str, BackendInfo]:
                                f"limit plugins with PAGEDLLM_BACKENDS")
         try:
             cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                raise TypeError(f"{ep.value} is not a pagedllm Backend subclass")
+            _check_plugin(ep.name, cls, ep.value)
+            refused = api_incompatibility(cls.plugin_api_version)
+            if refused is not None:
+                logger.warning("backend plugin %r from %s: %s", ep.name, package, refused)
+                infos[ep.name] = BackendInfo(ep.name, package, error=refused,
+                                             extra={"plugin_api_version": cls.plugin_api_version})
+                continue
             cls.source = package
-            infos[ep.name] = BackendInfo(ep.name, package, cls)
+            infos[ep.name] = BackendInfo(ep.name, package, cls,
+                                         extra={"plugin_api_version": cls.plugin_api_version})
         except Exception as exc:
             logger.warning("backend plugin %r from %s failed to load: %s", ep.name, package, exc)
             infos[ep.name] = BackendInfo(ep.name, package, error=f"{type(exc).__name__}: {exc}")

@@ -1,21 +1,85 @@
-"""`pagedllm backends`: every known backend, where it came from, and whether it can run here."""
+"""`pagedllm backends`: every known backend, where it came from, and whether it can run here.
+
+``--verbose`` adds each backend's declared capabilities with what each flag means; ``--json``
+prints the same facts machine-readably (what CI and the support matrix consume).
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from typing import Any
+
+# what each Capabilities field promises (and what the conformance suite checks for it)
+FLAG_HELP: dict[str, str] = {
+    "graphs": "captures decode steps as device graphs and replays them (checked: captures and "
+              "replays counted, replay equals eager)",
+    "swap": "swaps KV blocks to host memory on preemption (checked: swap out/in block by block)",
+    "static_shapes": "needs inputs padded to buckets (checked: pad rows change nothing)",
+    "prefix_caching": "reuses cached prompt blocks (checked: prefill over cached context, e2e)",
+    "chunked_prefill": "splits long prompts over steps (checked: prefill over earlier chunks, e2e)",
+    "dtypes": "model dtypes it runs (every check runs per declared dtype)",
+    "kv_cache_dtypes": "KV-cache storage types besides the model dtype ('auto')",
+    "preferred_block_size": "the KV block size used when none is asked for",
+    "block_sizes": "KV block sizes it accepts (the sweep runs every one)",
+    "max_tensor_parallel_size": "largest tensor-parallel group (None: as many devices as counted)",
+    "async_output": "launch_model returns before the device finishes (checked: it did, at least "
+                    "once, and outputs equal the synchronous path)",
+    "head_sizes": "attention head sizes it handles (the sweep runs each; others NOT DECLARED)",
+    "max_gqa_group": "largest query heads per KV head (None: any; the sweep runs 1-8)",
+    "max_context_len": "longest sequence the attention was built for (None: any; swept to 4,100)",
+    "attention_features": "optional attention arguments: sliding_window, logits_soft_cap",
+    "quantizations": "quantized-checkpoint formats whose linear it runs",
+    "pipeline_parallel": "runs pipeline stages (activations sent between ranks)",
+}
+
+
+def backend_facts() -> list[dict[str, Any]]:
+    """One dict per known backend: identity, status, plugin API version, capabilities."""
+    from pagedllm.backends.registry import discover
+
+    out = []
+    for info in discover().values():
+        ok, reason = info.availability()
+        row: dict[str, Any] = {"name": info.name, "source": info.source, "available": ok,
+                               "reason": reason,
+                               "plugin_api_version": info.extra.get("plugin_api_version")}
+        if info.cls is not None:
+            caps = dataclasses.asdict(info.cls.capabilities)
+            row.update(torch_device=info.cls.torch_device, dist_backend=info.cls.dist_backend,
+                       default_dtype=info.cls.default_dtype,
+                       capabilities={k: list(v) if isinstance(v, tuple) else v
+                                     for k, v in caps.items()})
+        out.append(row)
+    return out
 
 
 def backends_table() -> list[list[str]]:
-    from pagedllm.backends.registry import discover
-
     rows = [["name", "source", "status", "torch device", "capabilities"]]
-    for info in discover().values():
-        ok, reason = info.availability()
-        if info.cls is None:
-            rows.append([info.name, info.source, f"unavailable: {reason}", "-", "-"])
+    for f in backend_facts():
+        status = "available" if f["available"] else f"unavailable: {f['reason']}"
+        if "capabilities" not in f:
+            rows.append([f["name"], f["source"], status, "-", "-"])
             continue
-        rows.append([info.name, info.source, "available" if ok else f"unavailable: {reason}",
-                     info.cls.torch_device, info.cls.capabilities.summary()])
+        from pagedllm.backends.interface import Capabilities
+
+        caps = Capabilities(**{k: tuple(v) if isinstance(v, list) else v
+                               for k, v in f["capabilities"].items()})
+        rows.append([f["name"], f["source"], status, f["torch_device"], caps.summary()])
     return rows
+
+
+def verbose_lines() -> list[str]:
+    """Each backend's capabilities, one flag a line, with what the flag means."""
+    lines: list[str] = []
+    for f in backend_facts():
+        api = f["plugin_api_version"] or "not stated"
+        lines += ["", f"{f['name']} ({f['source']}, plugin API {api}): "
+                      f"{'available' if f['available'] else 'unavailable'}: {f['reason']}"]
+        for key, value in f.get("capabilities", {}).items():
+            shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+            lines.append(f"  {key:<25} {shown or '-':<28} {FLAG_HELP.get(key, '')}")
+    return lines
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -27,9 +91,18 @@ def format_table(rows: list[list[str]]) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("backends", help="list hardware backends and whether they are available")
+    p.add_argument("--json", action="store_true",
+                   help="print every backend's facts and capabilities as JSON")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also list each backend's capabilities with what each flag means")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps(backend_facts(), indent=1))
+        return 0
     print(format_table(backends_table()))
+    if getattr(args, "verbose", False):
+        print("\n".join(verbose_lines()))
     return 0

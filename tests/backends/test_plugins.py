@@ -42,8 +42,22 @@ PLUGINS = {
                    CPU_SUBCLASS + "class B(CpuBackend):\n    name = 'dupaccel'\n", "B"),
     "plug-cpu-claim": ("cpu", "plug_cpu_claim",
                        CPU_SUBCLASS + "class C(CpuBackend):\n    pass\n", "C"),
+    "plug-oldapi": ("oldaccel", "plug_oldapi", CPU_SUBCLASS + textwrap.dedent("""
+        class OldBackend(CpuBackend):
+            name = "oldaccel"
+            plugin_api_version = "1.3"
+        """), "OldBackend"),
+    "plug-curapi": ("curaccel", "plug_curapi", CPU_SUBCLASS + textwrap.dedent("""
+        class CurBackend(CpuBackend):
+            name = "curaccel"
+            plugin_api_version = "2.0"
+        """), "CurBackend"),
+    "plug-misnamed": ("misnamed", "plug_misnamed", CPU_SUBCLASS + textwrap.dedent("""
+        class MisnamedBackend(CpuBackend):
+            name = "othername"
+        """), "MisnamedBackend"),
 }
-HEALTHY = "okaccel,offaccel,brokenaccel,notabackend"
+HEALTHY = "okaccel,offaccel,brokenaccel,notabackend,oldaccel,curaccel,misnamed"
 
 PROBE = textwrap.dedent("""
     import argparse, contextlib, io, json, logging, os
@@ -79,6 +93,10 @@ PROBE = textwrap.dedent("""
     with contextlib.redirect_stdout(buf):
         backends_cmd.run(argparse.Namespace())
     out["table"] = buf.getvalue()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        backends_cmd.run(argparse.Namespace(json=True, verbose=False))
+    out["json"] = json.loads(buf.getvalue())
     use("offaccel")
     out["auto_without_available_plugin"] = attempt(lambda: registry.resolve_backend("auto").name)
     use("okaccel")
@@ -192,6 +210,29 @@ def test_backends_table_lists_plugins_with_status(probe: dict) -> None:
     assert "swap,prefix_caching,chunked_prefill" in rows["okaccel"] and "float32" in rows["okaccel"]
     assert "unavailable: no offaccel card found" in rows["offaccel"]
     assert "failed to load: ImportError: libvendor.so" in rows["brokenaccel"]
+
+
+def test_incompatible_plugin_api_major_is_refused_with_the_reason(probe: dict) -> None:
+    old = probe["infos"]["oldaccel"]
+    assert not old["loaded"] and old["availability"][0] is False
+    reason = old["availability"][1]
+    assert reason.startswith("refused: written for plugin API 1.3") and "2.0" in reason, reason
+    rows = {ln.split()[0]: ln for ln in probe["table"].splitlines()[2:] if ln.strip()}
+    assert "refused: written for plugin API 1.3" in rows["oldaccel"]
+    assert probe["resolve_okaccel"] == {"value": "okaccel"}  # others unaffected
+    cur = probe["infos"]["curaccel"]
+    assert cur["loaded"] and cur["availability"][0] is True
+    facts = {f["name"]: f for f in probe["json"]}
+    assert facts["curaccel"]["plugin_api_version"] == "2.0"
+    assert facts["okaccel"]["plugin_api_version"] is None  # not stated: accepted, shown as such
+    assert facts["cpu"]["plugin_api_version"] == "2.0" and facts["cpu"]["capabilities"]["swap"]
+
+
+def test_entry_point_name_must_equal_backend_name(probe: dict) -> None:
+    bad = probe["infos"]["misnamed"]
+    assert not bad["loaded"], bad
+    assert "'misnamed'" in bad["error"] and "'othername'" in bad["error"], bad["error"]
+    assert "othername" not in probe["infos"]
 
 
 def test_llm_runs_on_an_installed_plugin(tmp_path: Path, llama_path: str) -> None:

@@ -34,6 +34,7 @@ class ToyAccelBackend(Backend):
     torch_device = "cpu"  # a real port names its device: "xla", "xpu", "hpu", "privateuseone" ...
     dist_backend = "gloo"
     default_dtype = "float32"
+    plugin_api_version = "2.0"  # the pagedllm plugin API this port was written for
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=True, prefix_caching=True,
                                 chunked_prefill=False, dtypes=("float32", "bfloat16"),
                                 preferred_block_size=16, block_sizes=(16, 32),
