@@ -4,7 +4,7 @@ Started by throughput.py, possibly under another interpreter (the vLLM venv), so
 imports only the standard library at top level; each runner imports its engine lazily.
 
 SPEC keys: backend, model, dtype, device, seed, load_format, prompts (list of token-id lists),
-output_len, warmup_prompts, hf_batch_size, kv_cache_gib, max_num_seqs, engine_kwargs (extra LLM
+output_len, output_lens (optional: one output length per prompt, for workloads.py), warmup_prompts, hf_batch_size, kv_cache_gib, max_num_seqs, engine_kwargs (extra LLM
 keyword arguments for pagedllm and vLLM, e.g. enable_chunked_prefill).  RESULT keys: backend,
 version, device, load_s, warmup_s, elapsed_s, token_ids (one list per prompt), or error.
 """
@@ -34,15 +34,52 @@ def _resolve_device(device: str) -> str:
 def _generate_vllm_api(llm: Any, params_cls: Any, spec: Spec) -> tuple[float, float, list]:
     """Warm up, then time ``llm.generate`` over all prompts with the vLLM offline API."""
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
-    n = spec["output_len"]
-    params = params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
+    lens = output_lens(spec)
+    params = [params_cls(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    warm_prompts, warm_params = prompts[: spec["warmup_prompts"]], params[: spec["warmup_prompts"]]
+    if "warmup" in spec:  # prompts of their own (a prefix cache must not hold the timed ones)
+        warm_prompts = [{"prompt_token_ids": ids} for ids in spec["warmup"]]
+        warm_params = [params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
+                       for n in spec["warmup_output_lens"]]
     start = time.perf_counter()  # full warm-up: every sequence length of the timed run, met once
-    llm.generate(prompts[: spec["warmup_prompts"]], params, use_tqdm=False)
+    llm.generate(warm_prompts, warm_params, use_tqdm=False)
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed_s = time.perf_counter() - start
     return warmup_s, elapsed_s, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def output_lens(spec: Spec) -> list[int]:
+    """The output length of each prompt: spec["output_lens"], else output_len for all."""
+    return spec.get("output_lens") or [spec["output_len"]] * len(spec["prompts"])
+
+
+def timed_runs(spec: Spec, generate: Callable[[Spec], tuple[float, float, list]]) -> Result:
+    """warmup_s, elapsed_s and token_ids of ``generate(spec)``; with spec["workloads"] (a list of
+    dicts of name, prompts, output_lens, warmup, warmup_output_lens) one run per workload in
+    this process, under result["workloads"][name]."""
+    if "workloads" not in spec:
+        warmup_s, elapsed_s, token_ids = generate(spec)
+        return dict(warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+    runs: dict[str, Any] = {}
+    for workload in spec["workloads"]:
+        logger.info("workload %s: %d prompts", workload["name"], len(workload["prompts"]))
+        warmup_s, elapsed_s, token_ids = generate(dict(spec, **workload))
+        runs[workload["name"]] = dict(warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+    return dict(workloads=runs)
+
+
+def thread_placement() -> dict[str, Any]:
+    """What this engine process runs on: its CPU affinity and torch's intra-op threads."""
+    import os
+
+    import torch
+
+    return dict(cpus=sorted(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads(),
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                vllm_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                vllm_reserved_cpus=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"))
 
 
 def run_vllm(spec: Spec) -> Result:
@@ -55,9 +92,9 @@ def run_vllm(spec: Spec) -> Result:
               max_num_seqs=spec.get("max_num_seqs", 256),
               load_format=spec["load_format"], **spec.get("engine_kwargs", {}))
     load_s = time.perf_counter() - start
-    warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
+    runs = timed_runs(spec, lambda sub: _generate_vllm_api(llm, SamplingParams, sub))
     return dict(version=vllm.__version__, device=current_platform.device_type,
-                load_s=load_s, warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+                load_s=load_s, threads=thread_placement(), **runs)
 
 
 def run_pagedllm(spec: Spec) -> Result:
@@ -71,30 +108,41 @@ def run_pagedllm(spec: Spec) -> Result:
               load_format=spec["load_format"], kv_cache_space_gib=spec["kv_cache_gib"] or None,
               seed=spec["seed"], **spec.get("engine_kwargs", {}))
     load_s = time.perf_counter() - start
-    warmup_s, elapsed_s, token_ids = _generate_vllm_api(llm, SamplingParams, spec)
+    runs = timed_runs(spec, lambda sub: _generate_vllm_api(llm, SamplingParams, sub))
     return dict(version=getattr(pagedllm, "__version__", "unknown"), device=device,
-                load_s=load_s, warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+                load_s=load_s, threads=thread_placement(), **runs)
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], n: int, batch: int, pad: int) -> list:
-    """Greedy, exactly ``n`` new tokens per prompt, on left-padded batches."""
+def _hf_generate(model: Any, prompts: list[list[int]], lens: list[int], batch: int,
+                 pad: int) -> list:
+    """Greedy, exactly ``lens[i]`` new tokens for prompt i, on left-padded batches. With
+    varying lengths the prompts are batched in order of output length, each batch generating
+    its longest (the others' extra tokens cut off), and returned in the prompts' order."""
+    order = sorted(range(len(prompts)), key=lambda i: lens[i])  # stable: equal lens keep order
+    by_index: dict[int, list[int]] = {}
+    for i in range(0, len(prompts), batch):
+        rows = order[i : i + batch]
+        for row, ids in zip(rows, _hf_batch(model, [prompts[r] for r in rows],
+                                            max(lens[r] for r in rows), pad)):
+            by_index[row] = ids[: lens[row]]
+    return [by_index[i] for i in range(len(prompts))]
+
+
+def _hf_batch(model: Any, chunk: list[list[int]], n: int, pad: int) -> list[list[int]]:
+    """Greedy, exactly ``n`` new tokens for each prompt of one left-padded batch."""
     import torch
 
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [batch, width]
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        with torch.inference_mode():
-            gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=pad)
-        out.extend(gen[:, width:].tolist())
-    return out
+    width = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [batch, width]
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(chunk):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=pad)
+    return gen[:, width:].tolist()
 
 
 def run_hf(spec: Spec) -> Result:
@@ -114,21 +162,27 @@ def run_hf(spec: Spec) -> Result:
         model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
     model = model.to(device).eval()
     load_s = time.perf_counter() - start
-    prompts, n = spec["prompts"], spec["output_len"]
-    batch = spec["hf_batch_size"] or len(prompts)
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
     pad = pad[0] if isinstance(pad, list) else pad
-    start = time.perf_counter()
-    # full warm-up (all n tokens): no sequence length is met for the first time while timed
-    _hf_generate(model, prompts[: spec["warmup_prompts"]], n, batch, pad)
-    warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    token_ids = _hf_generate(model, prompts, n, batch, pad)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed_s = time.perf_counter() - start
+
+    def generate(sub: Spec) -> tuple[float, float, list]:
+        prompts, lens = sub["prompts"], output_lens(sub)
+        batch = sub["hf_batch_size"] or len(prompts)
+        warm, warm_lens = prompts[: sub["warmup_prompts"]], lens[: sub["warmup_prompts"]]
+        if "warmup" in sub:
+            warm, warm_lens = sub["warmup"], sub["warmup_output_lens"]
+        start = time.perf_counter()
+        # full warm-up (all n tokens): no sequence length is met for the first time while timed
+        _hf_generate(model, warm, warm_lens, batch, pad)
+        warmup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        token_ids = _hf_generate(model, prompts, lens, batch, pad)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return warmup_s, time.perf_counter() - start, token_ids
+
     return dict(version=transformers.__version__, device=device, load_s=load_s,
-                warmup_s=warmup_s, elapsed_s=elapsed_s, token_ids=token_ids)
+                threads=thread_placement(), **timed_runs(spec, generate))
 
 
 def _mm_seconds(n: int, dtype: Any, device: str, repeats: int) -> float:
@@ -173,8 +227,17 @@ def run_gemm(spec: Spec) -> Result:
     return result
 
 
+def run_roofline(spec: Spec) -> Result:
+    """roofline.py's GEMM peaks (spec["gemm_dtypes"]) and memory bandwidth."""
+    import torch
+    from roofline import measure  # this folder is on sys.path
+
+    return dict(version=torch.__version__, device="cpu", **measure(spec["gemm_dtypes"]))
+
+
 RUNNERS: dict[str, Callable[[Spec], Result]] = {
     "hf": run_hf, "vllm": run_vllm, "pagedllm": run_pagedllm, "gemm": run_gemm,
+    "roofline": run_roofline,
 }
 
 
