@@ -18,6 +18,10 @@ class PendingOutputs:
         self._sample_rows = sample_rows or []  # batch index of each sampled row
         self._samples = samples
 
+    def done(self) -> bool:
+        """Whether the device has finished the step (True when nothing is pending)."""
+        return self._samples is None or self._samples.done()
+
     def result(self) -> list[SeqOutput]:
         if self._samples is not None:
             got = self._samples.result(len(self._sample_rows))

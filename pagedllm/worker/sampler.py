@@ -151,6 +151,10 @@ class PendingSamples:
             except RuntimeError:  # no event support: .tolist() in result() waits instead
                 self._event = None
 
+    def done(self) -> bool:
+        """Whether the step's draws reached the host (without an event: assumed done)."""
+        return self._event is None or bool(self._event.query())
+
     def result(self, num_rows: int) -> list[list[Sample]]:
         if self._event is not None:
             self._event.synchronize()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 
 import torch
 from torch import nn
@@ -59,6 +60,9 @@ class Worker:
         self.num_host_blocks = 0
         self.cache_ops = backend.cache_ops()
         self.attn_cls = backend.attention_cls(config)
+        # what the worker did, for the conformance suite's claim checks (docs/porting.md):
+        # launches / returned_before_done (async_output), graph_captures / graph_replays (graphs)
+        self.counters: Counter[str] = Counter()
 
     # --- hooks a backend may override ----------------------------------------------------
     def select_device(self) -> torch.device:
@@ -201,7 +205,13 @@ class Worker:
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
         """``execute`` whose outputs resolve later: the device may still be running the step."""
         self._move_blocks(batch)
-        return self.launch_model(batch) if batch.seqs else PendingOutputs([])
+        if not batch.seqs:
+            return PendingOutputs([])
+        pending = self.launch_model(batch)
+        self.counters["launches"] += 1
+        if not pending.done():  # the device was still running the step when launch returned
+            self.counters["returned_before_done"] += 1
+        return pending
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         ops = self.cache_ops

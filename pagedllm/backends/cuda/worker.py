@@ -64,6 +64,7 @@ class CudaWorker(Worker):
                                    max_len, sizes, self.device, context_buckets(max_len, shorter),
                                    step)
         self.graphs.capture()
+        self.counters["graph_captures"] += len(self.graphs.graphs)
 
     def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
         return self.launch_model(batch).result()
@@ -73,5 +74,6 @@ class CudaWorker(Worker):
         assert self.runner is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             inp = self.runner.prepare(batch)
+            self.counters["graph_replays"] += 1
             return self.runner.sample_async(batch, inp, self.graphs.run(inp))
         return self.runner.execute_async(batch, self.kv_caches)

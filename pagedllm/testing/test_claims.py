@@ -1,0 +1,70 @@
+"""Claims verified, not assumed: ``graphs`` and ``async_output`` are proven by what the worker
+did (its ``counters``), and their results equal the plain path's, token for token.
+
+``Worker.counters`` (a Counter on the base class): ``launches`` and ``returned_before_done``
+are counted by ``Worker.execute_async`` (the latter when ``PendingOutputs.done()`` was still
+False as ``launch_model`` returned); a graph-capturing worker adds ``graph_captures`` when it
+captures and ``graph_replays`` each time a step runs from a graph.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagedllm.backends.interface import Capabilities
+from pagedllm.testing.e2e import engine_greedy, first_mismatch
+from pagedllm.testing.test_e2e import make_llm
+
+AREA = "claims (graphs, async output)"
+
+
+def _worker(llm: Any) -> Any:
+    worker = getattr(llm.llm_engine.executor, "worker", None)
+    if worker is None:
+        pytest.fail("the claim checks need the in-process executor (tensor_parallel_size=1), "
+                    "whose worker exposes counters")
+    return worker
+
+
+@pytest.mark.capability("dtype:float32", "graphs")
+def test_graphs_are_captured_and_replayed(conformance_checkpoint: str,
+                                          conformance_device_name: str,
+                                          conformance_caps: Capabilities,
+                                          conformance_hf_reference: tuple[list, list]) -> None:
+    ps, expected = conformance_hf_reference
+    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                   enforce_eager=False)
+    assert not llm.llm_engine.config.enforce_eager, (
+        "graphs=True is declared but check_and_update_config turned enforce_eager back on")
+    replay = engine_greedy(llm, ps)
+    counters = _worker(llm).counters
+    assert counters["graph_captures"] > 0, (
+        f"graphs=True is declared but no graph was captured (worker counters: {dict(counters)})")
+    assert counters["graph_replays"] > 0, (
+        f"graphs=True is declared but no step ran from a graph (worker counters: "
+        f"{dict(counters)})")
+    eager = engine_greedy(make_llm(conformance_checkpoint, conformance_device_name,
+                                   conformance_caps, enforce_eager=True), ps)
+    assert replay == eager, f"graph replay differs from eager: {first_mismatch(replay, eager)}"
+    assert replay == expected, f"graph replay vs transformers: {first_mismatch(replay, expected)}"
+
+
+@pytest.mark.capability("dtype:float32", "async_output")
+def test_async_output_returns_before_the_device_finishes(
+        conformance_checkpoint: str, conformance_device_name: str,
+        conformance_caps: Capabilities, conformance_hf_reference: tuple[list, list]) -> None:
+    ps, expected = conformance_hf_reference
+    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps)
+    got = engine_greedy(llm, ps)
+    counters = _worker(llm).counters
+    assert counters["launches"] > 0, (
+        f"async_output=True is declared but the engine never launched a step asynchronously "
+        f"(worker counters: {dict(counters)})")
+    assert counters["returned_before_done"] > 0, (
+        f"async_output=True is declared but launch_model returned after the device finished in "
+        f"all {counters['launches']} launches (PendingOutputs.done() was always True)")
+    sync = engine_greedy(make_llm(conformance_checkpoint, conformance_device_name,
+                                  conformance_caps, disable_async_output_proc=True), ps)
+    assert got == sync, f"async output differs from the synchronous path: {first_mismatch(got, sync)}"
+    assert got == expected, f"async output vs transformers: {first_mismatch(got, expected)}"
