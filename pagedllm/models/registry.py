@@ -58,6 +58,10 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
                                     ("sliding_window", "logits_soft_cap")),
     "Qwen3ForCausalLM": ModelEntry("pagedllm.models.qwen3:Qwen3ForCausalLM", ("sliding_window",)),
     "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", ("sliding_window",)),
+    "MixtralForCausalLM": ModelEntry("pagedllm.models.mixtral:MixtralForCausalLM",
+                                     ("sliding_window",)),
+    "Qwen3MoeForCausalLM": ModelEntry("pagedllm.models.qwen3_moe:Qwen3MoeForCausalLM",
+                                      ("sliding_window",)),
 }
 
 

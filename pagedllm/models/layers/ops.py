@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.models.layers.moe_ops import fused_moe
 from pagedllm.models.layers.quantization.reference import quant_linear, quant_linear_prepare
 
 
@@ -84,13 +85,16 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("rms_norm", "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
+    NAMES = ("fused_moe", "rms_norm",
+             "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
              "gelu_tanh_and_mul",
              "apply_token_bitmask", "quant_linear", "quant_linear_prepare")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
         self.rotary: Callable[..., torch.Tensor] = rotary
+        # sparse MoE experts with top-k routing (models/layers/moe_ops.py)
+        self.fused_moe: Callable[..., torch.Tensor] = fused_moe
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
