@@ -164,3 +164,61 @@ def test_uneven_split_matches_pp1(checkpoint_factory, tp1_tokens, monkeypatch) -
         assert greedy(llm) == expected
     finally:
         llm.llm_engine.shutdown()
+
+
+# --- a stage dying mid-step -----------------------------------------------------------------
+def test_killed_stage_ends_every_request_and_health_turns_503(checkpoint_factory) -> None:
+    """SIGKILL of the last stage's worker while four streams run (so batches of both virtual
+    engines are in flight): every stream ends with an error naming the dead rank, /health and
+    new requests answer 503, nothing hangs, and no worker outlives the engine."""
+    import asyncio
+    import json
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from pagedllm import AsyncEngineArgs, AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.cli_args import ServerSettings
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=checkpoint_factory("llama"), device="cpu", dtype="float32",
+        pipeline_parallel_size=2, disable_log_requests=True))
+    app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
+    processes = [w.process for w in engine.engine.executor.workers]
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+
+    async def main() -> float:
+        engine.start_background_loop()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            assert (await client.get("/health")).status_code == 200
+            streams = [asyncio.create_task(client.post("/v1/completions", json=body))
+                       for _ in range(4)]
+            while engine.engine.stats().num_running < 4:  # all admitted, generating
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            killed_at = time.monotonic()
+            os.kill(processes[1].pid, signal.SIGKILL)
+            for response in await asyncio.gather(*streams):
+                events = [line[6:] for line in response.text.splitlines()
+                          if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                error = json.loads(events[-2])["error"]["message"]
+                assert "worker rank 1 died" in error and "SIGKILL" in error
+                assert len(events) - 2 < 480  # ended early, by the error
+            waited = time.monotonic() - killed_at
+            failed = await client.post("/v1/completions", json={**body, "stream": False})
+            assert failed.status_code == 503
+            health = await client.get("/health")
+            assert health.status_code == 503
+            assert "worker rank 1 died" in health.json()["error"]["message"]
+        await engine.shutdown()
+        return waited
+
+    assert asyncio.run(main()) < 10.0
+    assert all(not p.is_alive() for p in processes)
