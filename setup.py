@@ -59,7 +59,10 @@ setup(
         # when torch is installed (tested: py3.11, torch 2.13.0+cpu)
         "guided": ["xgrammar>=0.2.9"],
         "test": ["pytest", "pytest-timeout", "openai", "httpx", "triton; sys_platform == 'linux'",
-                 "xgrammar>=0.2.9", "jsonschema"],
+                 "xgrammar>=0.2.9", "jsonschema",
+                 # quantization tests write compressed-tensors checkpoints with the library
+                 # llm-compressor saves through (pulls loguru, psutil; no torch of its own here)
+                 "compressed-tensors>=0.20"],
         "ray": ["ray"],
     },
     entry_points={

@@ -32,6 +32,14 @@ def is_linear(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in LINEARS
 
 
+def layer_input(name: str) -> str:
+    """Linears fed the same activations (q/k/v; gate/up) share a key."""
+    proj = name.split(".")[-2]
+    kind = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp",
+            "up_proj": "mlp"}.get(proj, proj)
+    return name.rsplit(".", 2)[0].rsplit(".", 1)[0] + "." + kind
+
+
 def float_checkpoint(path: str, **overrides: Any) -> str:
     return make_checkpoint(path, "llama", **overrides)
 
@@ -95,7 +103,6 @@ def gptq_checkpoint(src: str, dst: str, bits: int, group_size: int, sym: bool,
                     desc_act: bool) -> tuple[str, str]:
     """(GPTQ v1 checkpoint, its dequantized float32 twin) from the float checkpoint ``src``."""
     state = load_file(os.path.join(src, "model.safetensors"))
-    rng = random.Random(bits * 1000 + group_size)
     qt, ft = {}, {}
     for name, w in state.items():
         if not is_linear(name):
@@ -103,9 +110,9 @@ def gptq_checkpoint(src: str, dst: str, bits: int, group_size: int, sym: bool,
             continue
         out, inp = w.shape
         gs = group_size if group_size > 0 else inp
-        if desc_act:  # act order: groups of a random column permutation
-            perm = list(range(inp))
-            rng.shuffle(perm)
+        if desc_act:  # act order: groups of a random column permutation, one per layer input
+            perm = list(range(inp))  # (GPTQ orders by the input's Hessian: q/k/v share it)
+            random.Random(f"{layer_input(name)}-{bits}").shuffle(perm)
             g_idx = torch.empty(inp, dtype=torch.int32)
             g_idx[torch.tensor(perm)] = torch.arange(inp, dtype=torch.int32) // gs
         else:

@@ -55,15 +55,17 @@ class QuantizationConfig:
 
 
 def config_value(cfg: dict[str, Any], key: str, allowed: Iterable[Any] | None = None,
-                 default: Any = ..., method: str = "") -> Any:
-    """``cfg[key]``, checked against ``allowed``; a missing or bad value names the field."""
+                 default: Any = ..., method: str = "", where: str = "") -> Any:
+    """``cfg[key]``, checked against ``allowed``; a missing or bad value names the field
+    (``quantization_config.<where>.<key>``)."""
+    name = f"quantization_config.{where + '.' if where else ''}{key}"
     if key not in cfg or cfg[key] is None:
         if default is ...:
-            raise ValueError(f"quantization_config.{key} is missing ({method} checkpoint)")
+            raise ValueError(f"{name} is missing ({method} checkpoint)")
         return default
     value = cfg[key]
     if allowed is not None and value not in tuple(allowed):
-        raise ValueError(f"quantization_config.{key}={value!r} is not supported for {method}; "
+        raise ValueError(f"{name}={value!r} is not supported for {method}; "
                          f"supported: {', '.join(map(repr, allowed))}")
     return value
 

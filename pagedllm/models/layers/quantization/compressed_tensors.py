@@ -59,15 +59,16 @@ class CompressedTensorsConfig(QuantizationConfig):
         w = group.get("weights")
         if not isinstance(w, dict):
             raise ValueError(f"quantization_config.{where}.weights is missing")
-        wtype = config_value(w, "type", ("int", "float"), method=f"{METHOD} {where}.weights")
-        bits = config_value(w, "num_bits", (4, 8) if wtype == "int" else (8,),
-                            method=f"{METHOD} {where}.weights")
-        strategy = config_value(w, "strategy", STRATEGIES, method=f"{METHOD} {where}.weights")
+        wwhere = f"{where}.weights"
+        wtype = config_value(w, "type", ("int", "float"), method=METHOD, where=wwhere)
+        bits = config_value(w, "num_bits", (4, 8) if wtype == "int" else (8,), method=METHOD,
+                            where=wwhere)
+        strategy = config_value(w, "strategy", STRATEGIES, method=METHOD, where=wwhere)
         if w.get("dynamic"):
             raise ValueError(f"quantization_config.{where}.weights.dynamic=True is not supported")
         gs = 0
         if strategy == "group":
-            gs = config_value(w, "group_size", method=f"{METHOD} {where}.weights")
+            gs = config_value(w, "group_size", method=METHOD, where=wwhere)
             if not isinstance(gs, int) or gs <= 0:
                 raise ValueError(f"quantization_config.{where}.weights.group_size={gs!r} must be a "
                                  f"positive integer")
