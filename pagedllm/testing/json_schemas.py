@@ -26,11 +26,11 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
 
 def _node(rng: random.Random, depth: int) -> dict[str, Any]:
     roll = rng.random()
-    if depth >= 3 or roll < 0.45:
+    if depth >= 2 or roll < 0.5:
         return _leaf(rng)
     if roll < 0.65:
         return {"type": "array", "items": _node(rng, depth + 1),
-                "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 3)}
+                "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 2)}
     if roll < 0.8:
         return {"anyOf": [_node(rng, depth + 1) for _ in range(rng.randint(2, 3))]}
     return _object(rng, depth + 1)
@@ -38,7 +38,7 @@ def _node(rng: random.Random, depth: int) -> dict[str, Any]:
 
 def _object(rng: random.Random, depth: int) -> dict[str, Any]:
     names = rng.sample(["id", "name", "tags", "size", "kind", "meta", "value", "items", "ok"],
-                       rng.randint(1, 4))
+                       rng.randint(1, 3))
     props = {n: _node(rng, depth) for n in names}
     required = [n for n in names if rng.random() < 0.7]
     return {"type": "object", "properties": props, "required": required,

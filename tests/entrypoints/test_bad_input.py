@@ -55,7 +55,7 @@ BAD_COMPLETIONS = [
     ({"stop_token_ids": [100000]}, "stop_token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"suffix": "tail"}, "suffix"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
     # wrong types
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"),
@@ -93,7 +93,7 @@ BAD_CHATS = [
     ({"n": 100}, "n"),
     ({"stop": [""]}, "stop"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"logprobs": "yes"}, "logprobs"),
 ]
 

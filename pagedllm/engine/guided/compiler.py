@@ -20,6 +20,26 @@ COMPILE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "30
 CACHE_ENTRIES = 1024
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's view of the vocabulary, with the tokenizer's special tokens (BOS, UNK, pad:
+    text a detokenizer drops) as empty strings, which xgrammar never allows; the stop tokens
+    stay allowed where the grammar may end."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stop_token_ids or None)
+    special = set(getattr(tokenizer, "all_special_ids", ())) - set(stop_token_ids)
+    vocab = list(info.decoded_vocab)
+    if not any(t < len(vocab) and vocab[t] for t in special):
+        return info
+    for t in special:
+        if t < len(vocab):
+            vocab[t] = b""
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=stop_token_ids or None,
+                             add_prefix_space=info.add_prefix_space)
+
+
 class GrammarCompileError(ValueError):
     """A grammar that failed to compile or took longer than the timeout."""
 
@@ -36,8 +56,7 @@ class GrammarCompilerService:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.stop_token_ids = sorted(stop_token_ids)
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()

@@ -48,7 +48,10 @@ def parse_grammar(params: GuidedDecodingParams) -> Any:
             return xgr.Grammar.from_ebnf(choice_grammar(params.choice or []))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(params.grammar)
-        return xgr.Grammar.builtin_json_grammar()
+        # json_object: any JSON object (OpenAI's meaning; xgrammar's built-in JSON grammar
+        # would also admit a top-level array), written compactly
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                            strict_mode=False)
     except (RuntimeError, ValueError, TypeError) as exc:
         value = getattr(params, kind)
         shown = value if len(str(value)) <= 200 else str(value)[:200] + "..."

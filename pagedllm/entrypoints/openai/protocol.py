@@ -31,8 +31,19 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's structured-output schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 def _check_stop(value: Any) -> str | list[str] | None:
@@ -72,6 +83,17 @@ class SamplingRequest(_Strict):
     timeout_seconds: Seconds | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: NonNegativeInt | None = None
+    # vLLM's guided-decoding extras (response_format is the OpenAI way)
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -85,11 +107,28 @@ class SamplingRequest(_Strict):
             raise ValueError("top_k must be -1 or 0 (disabled) or an integer >= 1")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="plain")
     @classmethod
-    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _logit_bias(cls, value: Any) -> dict[str, float] | None:
+        """OpenAI's: token-id keys (strings in JSON) to biases in [-100, 100]."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to numbers")
+        for k, v in value.items():
+            if not str(k).isdigit():
+                raise ValueError(f"logit_bias key {k!r} is not a token id (an integer >= 0)")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias value {v!r} of token {k} must be a number in "
+                                 f"[-100, 100]")
+        return {str(k): float(v) for k, v in value.items()}
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type == "json_schema" and (
+                value.json_schema is None or value.json_schema.json_schema is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
         return value
 
     @property
@@ -188,7 +227,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: NonNegativeInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -204,12 +242,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tool calling is not supported by this server")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format type {value.type!r} is not supported: only 'text'")
-        return value
 
 
 class TokenizeRequest(_Strict):

@@ -21,8 +21,9 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_va
 from pagedllm.entrypoints.openai.logprobs import TokenTexts
 from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from pagedllm.entrypoints.openai.sse import SSEResponse
+from pagedllm.entrypoints.openai.structured import guided_decoding, logit_bias
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +159,24 @@ class ServingContext:
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, n: int,
                         best_of: int | None = None, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        guided: GuidedDecodingParams | None = None) -> SamplingParams:
+        """``guided``: the request's constraint when the caller derived it (tools); else it
+        comes from response_format / guided_*."""
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.allowed_token_ids is not None:
+            if not req.allowed_token_ids:
+                raise bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
+            self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
+        if prompt_logprobs is None:
+            prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is not None:
+            self.check_limits(1, None, prompt_logprobs, "prompt_logprobs")
+        if guided is None:
+            guided = guided_decoding(req)
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -180,7 +194,9 @@ class ServingContext:
                 min_tokens=pick(req.min_tokens, 0), logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=pick(req.skip_special_tokens, True),
-                timeout_seconds=req.timeout_seconds)
+                timeout_seconds=req.timeout_seconds, guided_decoding=guided,
+                logit_bias=logit_bias(req, self.vocab_size),
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
