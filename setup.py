@@ -58,7 +58,10 @@ setup(
         # xgrammar: guided decoding (structured output); its wheels pull no torch of their own
         # when torch is installed (tested: py3.11, torch 2.13.0+cpu)
         "guided": ["xgrammar>=0.2.9"],
+        # matplotlib: `pagedllm bench --plot` and the benchmarks' --plot (binary wheels; pulls no torch)
+        "bench": ["matplotlib"],
         "test": ["pytest", "pytest-timeout", "openai", "httpx", "triton; sys_platform == 'linux'",
+                 "matplotlib",
                  "xgrammar>=0.2.9", "jsonschema",
                  # quantization tests write compressed-tensors checkpoints with the library
                  # llm-compressor saves through (pulls loguru, psutil; no torch of its own here)

@@ -15,7 +15,9 @@ import logging
 import sys
 from collections.abc import Callable
 
-from pagedllm.logger import configure_logging
+from pagedllm.logger import configure_logging, one_line
+
+logger = logging.getLogger("pagedllm.cli")
 
 
 # --- serve ---------------------------------------------------------------------------------
@@ -66,14 +68,35 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The subcommand's exit status. What it raises is one ERROR line, not a traceback: exit 2 for
+    a bad argument value (ValueError: the message names the argument), 1 for a runtime failure
+    (RuntimeError, OSError: a backend that is not available here, a failed load); the traceback
+    is logged at DEBUG level. 130 on Ctrl-C."""
+    try:
+        return func(args)
+    except ValueError as exc:
+        logger.error("%s", one_line(exc))
+        logger.debug("traceback", exc_info=True)
+        return 2
+    except (RuntimeError, OSError, ImportError) as exc:
+        logger.error("%s", one_line(exc))
+        logger.debug("traceback", exc_info=True)
+        return 1
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Exit status: 0 success, 1 runtime error, 2 usage error (argparse's, or a bad value)."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
     configure_logging()
-    sys.exit(args.func(args))
+    sys.exit(run_command(args.func, args))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 SAMPLING_FLAGS = {  # flag -> (type, default); names as in SamplingParams
     "max_tokens": (int, 64), "temperature": (float, 0.0), "top_p": (float, 1.0),
@@ -35,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        print("error: give at least one PROMPT or --prompts-file", file=sys.stderr)
-        return 2
+        raise ValueError("no prompt: give at least one PROMPT or --prompts-file")
     params = SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos,
                             **{k: getattr(args, k) for k in SAMPLING_FLAGS})
     engine_args = EngineArgs.from_cli_args(args)
