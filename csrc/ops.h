@@ -123,6 +123,10 @@ struct PagedAttentionArgs {
   int warps;                      // warps per thread block: 0 = paged_attention_narrow_blocks
                                   // decides; 2 or 4 forces one (tests, tuning)
   float scale;
+  // Optional attention features (zero-initialized args leave both off):
+  int sliding_window;             // > 0: the query (position seq_len - 1) sees only the last
+                                  // sliding_window tokens (positions > seq_len - 1 - window)
+  float soft_cap;                 // > 0: logits (scaled q.k) become cap * tanh(logit / cap)
 };
 
 // All pointers and strides must be aligned to 16 bytes (the kernel uses 16-byte vector loads).

@@ -21,6 +21,10 @@
 //                 partial output, max logit and exp-sum go to the tmp buffers and
 //                 paged_attention_reduce_kernel combines them.
 //
+// Sliding window (a.sliding_window > 0): tokens before window_start() are masked like tokens past
+// the end (never loaded, logit -inf); partitions wholly before it exit at once and the reduce
+// kernel skips them. Soft cap (a.soft_cap > 0): each logit becomes cap * tanh(logit / cap).
+//
 // Masking: tokens at or past the (effective) sequence length are never loaded; a block-table entry
 // outside [0, num_blocks) masks its tokens (logit -inf, value never loaded), so a bad block table
 // can not make the kernel read outside the cache. A sequence with no valid token yields zeros.
@@ -87,6 +91,11 @@ PL_DEVICE int effective_seq_len(const PagedAttentionArgs& a, int seq, int block_
   return len < 0 ? 0 : static_cast<int>(len);
 }
 
+// First token the query of a sequence of seq_len tokens sees: seq_len - window (0 without one).
+PL_DEVICE int window_start(const PagedAttentionArgs& a, int seq_len) {
+  return (a.sliding_window > 0 && seq_len > a.sliding_window) ? seq_len - a.sliding_window : 0;
+}
+
 PL_DEVICE uint4 load16(const void* ptr) { return *reinterpret_cast<const uint4*>(ptr); }
 
 // Warp-wide reductions (every lane gets the result).
@@ -102,12 +111,14 @@ PL_DEVICE float warp_sum(float v) {
 }
 
 // Loads STEPS x VPL 16-byte vectors of one chunk of K or V rows into registers. Vectors of masked
-// tokens (past part_end or in a block outside the cache) and padding vectors are zero.
+// tokens (before first_tok, past part_end or in a block outside the cache) and padding vectors are
+// zero.
 // valid[s] tells whether token chunk + s * TOKENS_PER_STEP + slot is a real token.
 template <typename T, int HEAD_SIZE, int GQA>
 PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int64_t token_stride,
                           int64_t head_offset, const int32_t* __restrict__ block_table,
-                          int block_shift, int num_blocks, int chunk, int part_end, int slot,
+                          int block_shift, int num_blocks, int chunk, int first_tok,
+                          int part_end, int slot,
                           int glane, uint4 (&raw)[DecodeLayout<T, HEAD_SIZE, GQA>::kSteps]
                                                  [DecodeLayout<T, HEAD_SIZE, GQA>::kVecsPerLane],
                           bool (&valid)[DecodeLayout<T, HEAD_SIZE, GQA>::kSteps]) {
@@ -117,8 +128,9 @@ PL_DEVICE void load_chunk(const T* __restrict__ cache, int64_t block_stride, int
   for (int s = 0; s < L::kSteps; ++s) {
     const int tok = chunk + s * L::kTokensPerStep + slot;
     int physical_block = -1;
-    if (tok < part_end) physical_block = block_table[tok >> block_shift];
-    valid[s] = tok < part_end && physical_block >= 0 && physical_block < num_blocks;
+    const bool in_range = tok >= first_tok && tok < part_end;
+    if (in_range) physical_block = block_table[tok >> block_shift];
+    valid[s] = in_range && physical_block >= 0 && physical_block < num_blocks;
     const T* row = cache + physical_block * block_stride + (tok & block_mask) * token_stride +
                    head_offset;
 #pragma unroll
@@ -160,6 +172,8 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
 
   const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
   const int part_start = partition * a.partition_size;
+  const int first_tok = window_start(a, seq_len);  // tokens [first_tok, seq_len) are visible
+  if (part_start + a.partition_size <= first_tok) return;  // before the window: never reduced
   if (part_start >= seq_len) {
     // Only an empty sequence gets here with one partition: its output is zero.
     if (num_partitions == 1) {
@@ -215,7 +229,7 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     bool valid[STEPS];
     load_chunk<T, HEAD_SIZE, GQA>(key_cache, a.k_block_stride, a.k_token_stride,
                                   k_head_offset, block_table, block_shift, a.num_blocks, chunk,
-                                  part_end, slot, glane, raw, valid);
+                                  first_tok, part_end, slot, glane, raw, valid);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       float dot[GQA];
@@ -241,7 +255,9 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
       if (glane == 0 && tok < part_end) {
 #pragma unroll
         for (int g = 0; g < GQA; ++g) {
-          const float logit = valid[s] ? dot[g] : -INFINITY;
+          float logit = dot[g];
+          if (a.soft_cap > 0.f) logit = a.soft_cap * tanhf(logit / a.soft_cap);
+          logit = valid[s] ? logit : -INFINITY;
           logits[g * kMaxPartitionSize + (tok - part_start)] = logit;
           qk_max[g] = fmaxf(qk_max[g], logit);
         }
@@ -294,7 +310,7 @@ __global__ void PL_LAUNCH_BOUNDS(WARPS * WARP_SIZE)
     bool valid[STEPS];
     load_chunk<T, HEAD_SIZE, GQA>(value_cache, a.v_block_stride, a.v_token_stride,
                                   v_head_offset, block_table, block_shift, a.num_blocks, chunk,
-                                  part_end, slot, glane, raw, valid);
+                                  first_tok, part_end, slot, glane, raw, valid);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       if (!valid[s]) continue;  // p is 0 (or the token is past the end); its row was not loaded
@@ -389,22 +405,23 @@ __global__ void PL_LAUNCH_BOUNDS(kReduceThreads)
   T* out = static_cast<T*>(a.out) + seq * a.out_seq_stride + head * a.out_head_stride;
   const int seq_len = effective_seq_len(a, seq, block_shift, num_partitions);
   const int used = (seq_len + a.partition_size - 1) / a.partition_size;  // partitions written
+  const int first = window_start(a, seq_len) / a.partition_size;  // earlier ones: before the window
   const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
   const float* max_logits = a.max_logits + row * num_partitions;
   const float* exp_sums = a.exp_sums + row * num_partitions;
   const float* tmp_out = a.tmp_out + row * num_partitions * a.head_size;
 
   float global_max = -INFINITY;
-  for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, max_logits[p]);
+  for (int p = first; p < used; ++p) global_max = fmaxf(global_max, max_logits[p]);
   float weight_sum = 0.f;
   if (global_max != -INFINITY) {
-    for (int p = 0; p < used; ++p) weight_sum += exp_sums[p] * expf(max_logits[p] - global_max);
+    for (int p = first; p < used; ++p) weight_sum += exp_sums[p] * expf(max_logits[p] - global_max);
   }
   const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
   for (int d = tid; d < a.head_size; d += kReduceThreads) {
     float value = 0.f;
     if (inv > 0.f) {
-      for (int p = 0; p < used; ++p) {
+      for (int p = first; p < used; ++p) {
         value += exp_sums[p] * expf(max_logits[p] - global_max) * tmp_out[p * a.head_size + d];
       }
     }

@@ -45,7 +45,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
                      const c10::optional<torch::Tensor>& tmp_out_opt,
                      const c10::optional<torch::Tensor>& exp_sums_opt,
                      const c10::optional<torch::Tensor>& max_logits_opt, int64_t partition_size,
-                     int64_t num_warps) {
+                     int64_t num_warps, int64_t sliding_window, double soft_cap) {
   const torch::Device device = query.device();
   check_cuda(query, "query", device);
   check_cuda(out, "out", device);
@@ -158,6 +158,11 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
            "paged_attention: num_warps must be 0 (chosen per launch), 2 or 4, got ", num_warps);
   a.warps = static_cast<int>(num_warps);
   a.scale = static_cast<float>(scale);
+  PL_CHECK(sliding_window >= 0 && sliding_window <= (int64_t{1} << 30),
+           "paged_attention: sliding_window must be >= 0 (0: off), got ", sliding_window);
+  PL_CHECK(soft_cap >= 0.0, "paged_attention: soft_cap must be >= 0 (0: off), got ", soft_cap);
+  a.sliding_window = static_cast<int>(sliding_window);
+  a.soft_cap = static_cast<float>(soft_cap);
 
   const c10::cuda::CUDAGuard guard(device);
   check_launch(pagedllm::launch_paged_attention(a, current_stream(query)), "paged_attention");
@@ -330,7 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("scale"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("max_seq_len"), py::arg("tmp_out") = py::none(),
         py::arg("exp_sums") = py::none(), py::arg("max_logits") = py::none(),
-        py::arg("partition_size") = 0, py::arg("num_warps") = 0);
+        py::arg("partition_size") = 0, py::arg("num_warps") = 0, py::arg("sliding_window") = 0,
+        py::arg("soft_cap") = 0.0);
   m.def("reshape_and_cache", &reshape_and_cache,
         "Write key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping.",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),

@@ -92,7 +92,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, num_kv_heads: int, scale: float,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     max_seq_len: int, partition_size: int | None = None,
-                    num_warps: int = 0) -> torch.Tensor:
+                    num_warps: int = 0, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     lib = _load()
     num_seqs, num_heads, head_size = query.shape
     if partition_size is None:
@@ -113,7 +114,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         *[ctypes.c_int(v) for v in (num_seqs, num_heads, num_kv_heads, head_size, block_size,
                                     key_cache.shape[0], max_seq_len, partition_size,
                                     num_warps)],
-        ctypes.c_float(scale),
+        ctypes.c_float(scale), ctypes.c_int(sliding_window or 0), ctypes.c_float(soft_cap or 0.0),
     )
     _check(lib, rc, "paged_attention")
     return out

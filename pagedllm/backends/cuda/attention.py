@@ -13,6 +13,8 @@ from pagedllm.backends.cuda.layer_ops import KERNEL_DTYPES
 
 class CudaPagedAttention(AttentionImpl):
     name = "kernels"
+    # both in the decode kernel (csrc/paged_attention.cuh) and the Triton prefill
+    supported_features = ("sliding_window", "logits_soft_cap")
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -45,7 +47,9 @@ class CudaPagedAttention(AttentionImpl):
         max_len = metadata.extras.get("graph_max_seq_len", metadata.max_decode_seq_len)
         return ops.paged_attention(out, query, kv_cache[0], kv_cache[1],
                                    self.num_kv_heads, self.scale, metadata.decode_block_tables,
-                                   metadata.decode_seq_lens, kv_cache.shape[2], max_len)
+                                   metadata.decode_seq_lens, kv_cache.shape[2], max_len,
+                                   sliding_window=self.sliding_window,
+                                   soft_cap=self.logits_soft_cap)
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -55,4 +59,5 @@ class CudaPagedAttention(AttentionImpl):
         return context_attention_fwd(
             query, key, value, out, kv_cache[0], kv_cache[1], metadata.prefill_block_tables,
             metadata.query_start_loc, metadata.prefill_seq_lens, metadata.prefill_context_lens,
-            self.scale, max_query_len=metadata.max_prefill_query_len)
+            self.scale, max_query_len=metadata.max_prefill_query_len,
+            sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap)

@@ -25,7 +25,9 @@ class CudaBackend(Backend):
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 chunked_prefill=True, dtypes=("bfloat16", "float16", "float32"),
                                 preferred_block_size=16, block_sizes=(16, 32), async_output=True,
-                                pipeline_parallel=True)
+                                pipeline_parallel=True,
+                                # the decode kernel and the Triton prefill (and the torch path)
+                                attention_features=("sliding_window", "logits_soft_cap"))
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32

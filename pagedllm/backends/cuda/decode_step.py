@@ -70,6 +70,8 @@ def unsupported_reason(model: nn.Module, kernels: ModuleType) -> str | None:
     if inter % 8 or inter > MAX_K or heads * head_size > MAX_K:
         return f"intermediate size {inter} / q size {heads * head_size} (multiples of 8 up to {MAX_K})"
     for layer in model.layers:
+        if layer.self_attn.attn.impl.sliding_window is not None:
+            return "a sliding window (the step's attention has none)"
         if layer.self_attn.o_proj.out_bias is not None or layer.mlp.gate_up_proj.bias is not None \
                 or layer.mlp.down_proj.out_bias is not None:
             return "a bias on o_proj or the MLP"

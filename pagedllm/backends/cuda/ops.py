@@ -149,8 +149,13 @@ def paged_attention(
     max_seq_len: int,
     partition_size: int | None = None,
     num_warps: int = 0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context; fills and returns out.
+
+    ``sliding_window``: the query (position seq_len - 1) sees only the last ``sliding_window``
+    tokens; ``soft_cap``: logits become cap * tanh(logit / cap) (None: off, both).
 
     max_seq_len must be >= every seq_len (longer sequences are truncated). Each thread block takes
     ``partition_size`` tokens of one sequence (a power of two in [MIN_PARTITION_SIZE,
@@ -186,7 +191,7 @@ def paged_attention(
     kernels.paged_attention(
         out, query, key_cache, value_cache, int(num_kv_heads), float(scale), block_tables,
         seq_lens, int(block_size), int(max_seq_len), tmp_out, exp_sums, max_logits,
-        int(partition_size), int(num_warps),
+        int(partition_size), int(num_warps), int(sliding_window or 0), float(soft_cap or 0.0),
     )
     return out
 

@@ -15,6 +15,10 @@ of one head; GQA maps head h to kv head h // (num_heads // num_kv_heads). Head s
 power of two are padded to one inside the kernel with masks. Softmax is the online (flash) form in
 float32; float32 inputs use IEEE float32 dot products (no TF32).
 
+Optional features (constexpr switches, so plain layers compile without them): a sliding window (the
+query at absolute position p sees keys at positions > p - window; key tiles wholly before every
+row's window are skipped) and a logit soft cap (scaled scores s -> cap * tanh(s / cap)).
+
 Runs on CPU tensors under TRITON_INTERPRET=1 (how the tests exercise it without a GPU).
 """
 from __future__ import annotations
@@ -29,9 +33,12 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, qk_mask, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(q, k, v, qk_mask, m_i, l_i, acc, scale, soft_cap,
+                         DOT_PRECISION: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
     """One key tile: k [HEAD_PAD, BLOCK_N], v [BLOCK_N, HEAD_PAD]; qk_mask [BLOCK_M, BLOCK_N]."""
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    if USE_SOFT_CAP:  # cap * tanh(qk / cap), tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly)
+        qk = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * qk / soft_cap) + 1.0))
     qk = tl.where(qk_mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: keep zeros
@@ -45,7 +52,7 @@ def _online_softmax_step(q, k, v, qk_mask, m_i, l_i, acc, scale, DOT_PRECISION: 
 @triton.jit
 def _context_attention_kernel(
     Q, K, V, Out, KCache, VCache, BlockTables, QueryStartLoc, ContextLens,
-    scale,
+    scale, window, soft_cap,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -61,6 +68,8 @@ def _context_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,9 +97,17 @@ def _context_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
     # 1) Cached context: positions [0, ctx_len), gathered through the block table; no causal mask.
-    for start_n in range(0, ctx_len, BLOCK_N):
+    # With a window, the first row (position ctx_len + m_block * BLOCK_M) sees nothing before
+    # position ctx_len + m_block * BLOCK_M - window + 1: earlier tiles are skipped.
+    ctx_from = 0
+    if USE_WINDOW:
+        ctx_from = tl.maximum(ctx_len + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(ctx_from, ctx_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx_len
+        visible = mask_n[None, :]
+        if USE_WINDOW:  # key position offs_n > query position (ctx_len + offs_m) - window
+            visible = visible & (offs_n[None, :] > ctx_len + offs_m[:, None] - window)
         block = tl.load(BlockTables + seq * stride_bt + offs_n // CACHE_BLOCK, mask=mask_n, other=0)
         in_block = offs_n % CACHE_BLOCK
         k_ptrs = (KCache + block[None, :].to(tl.int64) * stride_kcb + in_block[None, :] * stride_kct
@@ -102,12 +119,15 @@ def _context_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, scale,
-                                             DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale, soft_cap,
+                                             DOT_PRECISION, USE_SOFT_CAP)
 
     # 2) New tokens: keys 0..q_len-1 of this sequence from k/v, causal (key j <= query row i).
     end_n = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
-    for start_n in range(0, end_n, BLOCK_N):
+    new_from = 0
+    if USE_WINDOW:
+        new_from = tl.maximum(m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(new_from, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < q_len
         k_ptrs = K + (q_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
@@ -118,7 +138,10 @@ def _context_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         causal = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale, DOT_PRECISION)
+        if USE_WINDOW:
+            causal = causal & (offs_n[None, :] > offs_m[:, None] - window)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale, soft_cap,
+                                             DOT_PRECISION, USE_SOFT_CAP)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -150,6 +173,8 @@ def context_attention_fwd(
     scale: float,
     max_query_len: int | None = None,
     validate: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention of packed new tokens over their cached context plus themselves (causal).
 
@@ -159,6 +184,8 @@ def context_attention_fwd(
     context_lens: [num_seqs] int32, tokens already cached; seq_lens: [num_seqs] int32, equal to
     context_lens + query lens (only checked when validate=True, which synchronizes).
     max_query_len: longest new-token run (computed from query_start_loc if None, a sync).
+    sliding_window: a query at position p sees keys at positions > p - window; soft_cap: scaled
+    scores s become cap * tanh(s / cap) (None: off, both).
     Returns out.
     """
     import os
@@ -183,6 +210,10 @@ def context_attention_fwd(
                     ("kv_cache_v", kv_cache_v), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap!r} must be a positive number or None")
     if num_seqs <= 0 or num_tokens == 0:
         return out
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -202,7 +233,7 @@ def context_attention_fwd(
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _context_attention_kernel[grid](
         q, k, v, out, kv_cache_k, kv_cache_v, block_tables, query_start_loc, context_lens,
-        float(scale),
+        float(scale), int(sliding_window or 0), float(soft_cap or 1.0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -218,6 +249,8 @@ def context_attention_fwd(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if precise else None,  # None: the backend default for 16-bit inputs
         UPCAST=upcast,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None,
         num_warps=4,
     )
     return out

@@ -33,7 +33,8 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
                         int max_num_blocks_per_seq, const int32_t* seq_lens, float* tmp_out,
                         float* exp_sums, float* max_logits, int num_seqs, int num_heads,
                         int num_kv_heads, int head_size, int block_size, int num_blocks,
-                        int max_seq_len, int partition_size, int warps, float scale) {
+                        int max_seq_len, int partition_size, int warps, float scale,
+                        int sliding_window, float soft_cap) {
   pagedllm::PagedAttentionArgs a{};
   a.dtype = static_cast<ScalarType>(dtype);
   a.out = out;
@@ -67,6 +68,8 @@ int emu_paged_attention(int dtype, void* out, int64_t out_s0, int64_t out_s1, co
   a.partition_size = partition_size;
   a.warps = warps;
   a.scale = scale;
+  a.sliding_window = sliding_window;
+  a.soft_cap = soft_cap;
   return static_cast<int>(pagedllm::launch_paged_attention(a, nullptr));
 }
 
