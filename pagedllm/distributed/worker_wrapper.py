@@ -108,6 +108,14 @@ class WorkerWrapper:
     def pid(self) -> int:
         return os.getpid()
 
+    def stage_timeline(self, clear: bool = True) -> list[tuple[float, float]]:
+        """This pipeline stage's recent steps, (start, end) on the host's monotonic clock."""
+        runner = self.worker.runner
+        spans = list(runner.busy)
+        if clear:
+            runner.busy.clear()
+        return spans
+
     def close(self) -> None:
         import torch.distributed as dist
 

@@ -74,6 +74,11 @@ class MultiWorkerExecutor(Executor):
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
         return self._call("execute", self._pack(batch))[self.output_rank] or []
 
+    def stage_timelines(self) -> list[list[tuple[float, float]]]:
+        """Each rank's pipeline steps since the last call, (start, end) on the host's monotonic
+        clock (benchmarks/pp_timeline.py)."""
+        return self._call("stage_timeline")
+
 
 def make_executor(config: EngineConfig, backend: Backend) -> Executor:
     from pagedllm.distributed.utils import verify_pipeline_parallel

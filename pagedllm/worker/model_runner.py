@@ -1,6 +1,8 @@
 """Turns a ScheduledBatch into tensors, runs the model, and samples."""
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +15,8 @@ from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.logits_controls import ApplyTokenBitmask
 from pagedllm.worker.sampler import GreedyLogprobs, Sampler, SampleRow
+
+BUSY_HISTORY = 100_000  # steps of a stage's timeline kept
 
 
 @dataclass
@@ -121,6 +125,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, greedy_logprobs, apply_token_bitmask)
         # the last sampled step's draws [num_draws] on the device, and seq_id -> its draw
         self._last_draws: tuple[torch.Tensor, dict[int, int]] | None = None
+        # a pipeline stage's recent steps as (start, end) on the host's monotonic clock, the
+        # wait for the previous stage left out (benchmarks/pp_timeline.py reads them)
+        self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_HISTORY)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         input_ids, positions, meta = build_metadata(batch.seqs, self.block_size, self.device)
@@ -193,17 +200,24 @@ class ModelRunner:
         """One pipeline stage's share of the step: receive the previous stage's activations
         (unless first), run this stage's layers, then send them on, or (last stage) compute the
         logits and sample. ``kv_caches`` are this stage's layers' caches."""
+        start = time.monotonic()
         inp = self.prepare(batch)
         intermediate = None
         if not pp.is_first:
             dtype = next(self.model.parameters()).dtype
-            intermediate = pp.recv(self.model.make_empty_intermediate_tensors(
-                inp.num_real_tokens, dtype, self.device))
+            buffers = self.model.make_empty_intermediate_tensors(inp.num_real_tokens, dtype,
+                                                                 self.device)
+            idle = time.monotonic()
+            intermediate = pp.recv(buffers)
+            start += time.monotonic() - idle  # waiting for the previous stage is not work
         out = self.model(inp.input_ids, inp.positions, kv_caches, inp.metadata, intermediate)
         if not pp.is_last:
             pp.send(out)
+            self.busy.append((start, time.monotonic()))
             return None
-        return self.sample(batch, inp, self.model.compute_logits(out[inp.logit_rows]))
+        outputs = self.sample(batch, inp, self.model.compute_logits(out[inp.logit_rows]))
+        self.busy.append((start, time.monotonic()))
+        return outputs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:

@@ -15,7 +15,7 @@ from pagedllm.distributed.utils import verify_pipeline_parallel
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.layers.pipeline import (PP_LAYER_PARTITION_ENV, PPMissingLayer,
                                              get_pp_indices, partition_layers)
-from tp_utils import greedy
+from tp_utils import MAX_TOKENS, greedy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -129,6 +129,12 @@ def test_pp2_matches_pp1(arch: str, checkpoint_factory, tp1_tokens) -> None:
         assert engine.config.parallel.distributed_executor_backend == "mp"
         assert len(engine.schedulers) == 2
         assert greedy(llm) == expected
+        # every stage ran every step (its own steps' spans, for benchmarks/pp_timeline.py)
+        first, last = engine.executor.stage_timelines()
+        # the 3 requests split over the 2 virtual engines: each runs its own 8 steps (+ the
+        # cpu worker's warm-up step)
+        assert len(first) == len(last) == 2 * MAX_TOKENS + 1
+        assert all(a <= b for a, b in first + last)
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in workers)
