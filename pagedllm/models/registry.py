@@ -58,6 +58,8 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
                                     ("sliding_window", "logits_soft_cap")),
     "Qwen3ForCausalLM": ModelEntry("pagedllm.models.qwen3:Qwen3ForCausalLM", ("sliding_window",)),
     "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", ("sliding_window",)),
+    "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel"),
+    "GPTNeoXForCausalLM": ModelEntry("pagedllm.models.gpt_neox:GPTNeoXForCausalLM"),
     "MixtralForCausalLM": ModelEntry("pagedllm.models.mixtral:MixtralForCausalLM",
                                      ("sliding_window",)),
     "Qwen3MoeForCausalLM": ModelEntry("pagedllm.models.qwen3_moe:Qwen3MoeForCausalLM",

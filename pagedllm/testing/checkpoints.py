@@ -69,6 +69,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          num_experts_per_tok=2, norm_topk_prob=False,
                                          decoder_sparse_step=1, mlp_only_layers=[1],
                                          rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # learned positions, Conv1D weights, tied head, gelu_new
+    "gpt2": ("GPT2Config", dict(activation_function="gelu_new", pad_token_id=0)),
+    # parallel residual, a quarter of each 16-channel head rotated
+    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128, rotary_pct=0.25,
+                                       use_parallel_residual=True, pad_token_id=0)),
     # sliding layers (window 6) alternate with global ones; soft caps small enough to matter;
     # query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, intermediate_size=128,

@@ -7,12 +7,28 @@ import math
 from typing import Any
 
 import torch
-from test_hf_equality import MAX_TOKENS, MODES, hf_greedy, prompts
+from test_hf_equality import MAX_TOKENS, MODES, prompts
 
 from pagedllm import LLM, SamplingParams
 
 __all__ = ["MODES", "assert_greedy_matches", "assert_sampled_logprobs_match", "hf_greedy",
            "prompts"]
+
+
+def hf_greedy(path: str, ps: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations of ``ps`` (float32), MAX_TOKENS each: the checkpoint's
+    generation_config.json names eos_token_id=2, which transformers 5 applies even when the
+    GenerationConfig passed says None, so it is cleared on the model (the engine runs with
+    ignore_eos)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), generation_config=cfg)[0, len(p):].tolist()
+                for p in ps]
 
 
 def _greedy(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
