@@ -73,6 +73,10 @@ class OutputProcessor:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
         seqs = seqs[: params.n]
         finished = group.is_finished()
+        if finished and not group.forked:
+            # timed out or aborted before the first sample forked the group's n sequences: each of
+            # the n choices reports the one sequence's (empty) output and its finish reason
+            seqs = seqs * params.n
         if finished and group.metrics is not None and group.metrics.finished_time is None:
             group.metrics.finished_time = time.time()
         holdback = max(0, params.max_stop_len - 1)
