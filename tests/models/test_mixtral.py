@@ -48,3 +48,18 @@ def test_tensor_parallel_2(mixtral) -> None:
     """Experts sharded on the intermediate dim (32 of 64 rows per rank), output all-reduced."""
     path, expected = mixtral
     assert_greedy_matches(path, "plain", expected, tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_triton_moe_matches_transformers(mixtral) -> None:
+    """On a GPU the cuda backend runs the Triton fused_moe (float32: IEEE dot products)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.backends.cuda import triton_moe
+
+    path, expected = mixtral
+    llm = LLM(path, device="cuda", dtype="float32")
+    moe = llm.llm_engine.executor.worker.model.layers[0].mlp
+    assert moe.ctx.ops.fused_moe is triton_moe.fused_moe
+    params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -98,6 +98,9 @@ class CudaBackend(Backend):
             logger.warning("triton is unavailable (%s); greedy sampling runs torch ops", exc)
         else:
             ops.register("greedy_logprobs", greedy_logprobs)
+            from pagedllm.backends.cuda.triton_moe import fused_moe
+
+            ops.register("fused_moe", fused_moe)  # grouped by expert
         if not self.layer_kernels:
             return
         from pagedllm.backends.cuda import ops as kernel_ops
