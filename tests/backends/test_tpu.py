@@ -98,6 +98,22 @@ def test_gather_attention_matches_reference_on_cpu(heads: tuple[int, int]) -> No
     assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window, cap", [(4, None), (1, 2.0), (None, 1.5), (20, 3.0)])
+def test_gather_attention_window_and_soft_cap_on_cpu(window: int | None, cap: float | None) -> None:
+    """Windows shorter than the prompts and the cached context, with pad rows, vs float64."""
+    kwargs = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v}
+    impl = XlaPagedAttention(8, 64, 2, 64 ** -0.5, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    batch = PagedBatch.random(MIXED, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                              dtype=torch.float32, device=CPU, generator=g)
+    cache = torch.randn(impl.kv_cache_shape(batch.num_blocks, 16, 2, 64), generator=g) + 40.0
+    batch.write_context(impl, cache, CPU)
+    t = batch.query.shape[0]
+    got = batch.run(impl, cache, CPU, pad_tokens_to=t + 5)[:t]
+    ref = batch.reference(impl.scale, sliding_window=window, soft_cap=cap)
+    assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_pad_rows_write_nothing_on_cpu() -> None:
     impl = XlaPagedAttention(4, 64, 2, 0.125)
     cache = torch.zeros(impl.kv_cache_shape(4, 16, 2, 64))
@@ -225,6 +241,31 @@ def test_gather_matches_torch_xla_ragged_reference(xla: torch.device,
     assert torch.allclose(ours.double(), batch.reference(impl.scale), atol=1e-5, rtol=1e-5)
 
 
+@needs_xla
+def test_gather_window_and_soft_cap_match_torch_xla_ragged_reference(xla: torch.device) -> None:
+    """Sliding window and soft cap: ours on XLA vs ragged_paged_attention(use_kernel=False)
+    given the same sliding_window / soft_cap (what the Pallas kernel gets on a TPU)."""
+    from torch_xla.experimental.custom_kernel import ragged_paged_attention
+
+    impl = XlaPagedAttention(8, 64, 2, 64 ** -0.5, sliding_window=7, logits_soft_cap=2.0)
+    g = torch.Generator().manual_seed(4)
+    batch = PagedBatch.random(MIXED, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                              dtype=torch.float32, device=xla, generator=g)
+    cache = torch.randn(impl.kv_cache_shape(batch.num_blocks, 16, 2, 64), generator=g).to(xla)
+    batch.write_context(impl, cache, xla)
+    meta = batch.step_metadata(xla)
+    t = batch.query.shape[0]
+    ours = impl.forward(batch.query.reshape(t, -1), batch.key.reshape(t, -1),
+                        batch.value.reshape(t, -1), cache, meta).view(t, 8, 64).cpu()
+    rows = SeqRows.from_metadata(meta, batch.block_tables)
+    ragged = {k: v.to(xla) for k, v in ragged_layout(rows, len(MIXED), 4, 16).items()}
+    theirs = ragged_paged_attention(batch.query, cache[0], ragged["kv_lens"],
+                                    ragged["page_indices"], ragged["cu_q_lens"],
+                                    ragged["num_seqs"], sm_scale=impl.scale, sliding_window=7,
+                                    soft_cap=2.0, use_kernel=False)
+    assert (ours - theirs.cpu()[:t]).abs().max().item() < 1e-5
+
+
 HF_MODES = {
     "plain": dict(),
     "prefix_caching": dict(enable_prefix_caching=True),
@@ -260,7 +301,7 @@ def hf_reference(checkpoint_factory):
 
 @needs_xla
 @pytest.mark.parametrize("mode", list(HF_MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "opt", "gemma2", "qwen3", "mixtral"])
 def test_greedy_matches_transformers_on_xla(arch: str, mode: str, hf_reference) -> None:
     from pagedllm import LLM
     from pagedllm.testing.e2e import engine_greedy

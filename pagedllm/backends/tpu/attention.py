@@ -35,12 +35,15 @@ KERNEL_ENV = "PAGEDLLM_TPU_KERNEL"  # "0" forces the gather path on a TPU (debug
 
 
 def gather_attention(query: torch.Tensor, pages: torch.Tensor, token_tables: torch.Tensor,
-                     token_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                     token_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """Causal paged attention, one block-table row per query row.
 
     query [T, H, D]; pages [num_blocks, block_size, 2*kvH, D] (K/V interleaved); token_tables
-    [T, W] block ids; token_pos [T] the row's absolute position (it sees keys 0..pos). Returns
-    [T, H, D] in query's dtype; accumulates in float32. Query head h reads kv head h // (H/kvH).
+    [T, W] block ids; token_pos [T] the row's absolute position (it sees keys 0..pos, and with
+    ``sliding_window`` only those > pos - window). ``soft_cap``: scaled scores s become
+    cap * tanh(s / cap). Returns [T, H, D] in query's dtype; accumulates in float32. Query head
+    h reads kv head h // (H/kvH).
     """
     t, num_heads, head_size = query.shape
     kv_heads = pages.shape[2] // 2
@@ -50,8 +53,13 @@ def gather_attention(query: torch.Tensor, pages: torch.Tensor, token_tables: tor
     k, v = kv[..., 0, :].float(), kv[..., 1, :].float()  # [T, L, kvH, D]
     q = query.float().reshape(t, kv_heads, group, head_size) * scale
     scores = torch.einsum("tkgd,tlkd->tkgl", q, k)  # [T, kvH, G, L]
-    visible = (torch.arange(k.shape[1], device=query.device)[None, :]
-               <= token_pos.long()[:, None])  # [T, L]; key 0 is always visible: no empty rows
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos = torch.arange(k.shape[1], device=query.device)[None, :]
+    pos = token_pos.long()[:, None]
+    visible = k_pos <= pos  # [T, L]; the key at pos itself is always visible: no empty rows
+    if sliding_window is not None:
+        visible = visible & (k_pos > pos - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.einsum("tkgl,tlkd->tkgd", scores.softmax(dim=-1), v)
     return out.reshape(t, num_heads, head_size).to(query.dtype)
@@ -69,6 +77,8 @@ def on_tpu(device: torch.device) -> bool:
 
 class XlaPagedAttention(AttentionImpl):
     name = "xla"
+    # gather_attention and the Pallas kernel both take them
+    supported_features = ("sliding_window", "logits_soft_cap")
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -112,9 +122,10 @@ class XlaPagedAttention(AttentionImpl):
 
             return ragged_paged_attention(q, pages, extras["kv_lens"], extras["page_indices"],
                                           extras["cu_q_lens"], extras["num_seqs"],
-                                          sm_scale=self.scale, use_kernel=True)
+                                          sm_scale=self.scale, sliding_window=self.sliding_window,
+                                          soft_cap=self.logits_soft_cap, use_kernel=True)
         return gather_attention(q, pages, extras["token_tables"], extras["token_pos"],
-                                self.scale)
+                                self.scale, self.sliding_window, self.logits_soft_cap)
 
     @staticmethod
     def static_inputs(rows: SeqRows, num_rows: int, block_size: int, device: torch.device,

@@ -41,7 +41,8 @@ class TpuBackend(Backend):
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float32"), preferred_block_size=16,
-                                block_sizes=(16, 32, 64, 128), max_tensor_parallel_size=1)
+                                block_sizes=(16, 32, 64, 128), max_tensor_parallel_size=1,
+                                attention_features=("sliding_window", "logits_soft_cap"))
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
