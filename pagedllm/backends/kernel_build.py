@@ -52,10 +52,11 @@ def build_directory(files: Sequence[str], target: str, flags: dict[str, list[str
 
 
 def jit_load(name: str, sources: Sequence[str], build_dir: Path, is_python_module: bool = True,
-             **build_kwargs: Any) -> ModuleType | None:
+             *, build_time: str = "", **build_kwargs: Any) -> ModuleType | None:
     """The library ``name`` from ``build_dir`` (a ``build_directory``): loaded as it is when an
-    earlier build left it there, else built with torch.utils.cpp_extension.load(**build_kwargs).
-    Returns the module (is_python_module) or None (a library of torch ops, now registered)."""
+    earlier build left it there, else built with torch.utils.cpp_extension.load(**build_kwargs),
+    logged as a build taking ``build_time`` (only then). Returns the module (is_python_module) or
+    None (a library of torch ops, now registered)."""
     library = build_dir / f"{name}.so"
     if library.is_file():
         try:
@@ -65,6 +66,8 @@ def jit_load(name: str, sources: Sequence[str], build_dir: Path, is_python_modul
                            exc)
     from torch.utils.cpp_extension import load
 
+    logger.info("building %s in %s (once; later runs load it from there%s)", name, build_dir,
+                f"; takes {build_time}" if build_time else "")
     return load(name=name, sources=list(sources), build_directory=str(build_dir),
                 is_python_module=is_python_module, **build_kwargs)
 

@@ -103,8 +103,9 @@ def _build() -> Any:
         sources = [str(src / "cpu" / f) for f in files]
         flags = compile_flags(name)
         build_dir = library_build_dir(name)
-        logger.info("loading %s from %s (the first use builds it, ~15 s)", name, build_dir)
-        jit_load(name, sources, build_dir, is_python_module=False, extra_cflags=flags,
+        logger.debug("loading %s from %s", name, build_dir)
+        jit_load(name, sources, build_dir, is_python_module=False, build_time="~15 s",
+                 extra_cflags=flags,
                  extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
                  verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
     return torch.ops.pagedllm_cpu

@@ -60,12 +60,12 @@ def _jit_build() -> ModuleType:
     sources = ext.kernel_sources(src)
     flags = ext.compile_args(device)
     build_dir = build_directory(sources + ext.kernel_headers(src), device, flags)
-    logger.info("loading the pagedllm %s kernels from %s (the first use builds them: minutes)",
-                device, build_dir)
+    logger.debug("loading the pagedllm %s kernels from %s", device, build_dir)
     return jit_load(
         "pagedllm_C",
         sources,
         build_dir,
+        build_time="minutes",
         extra_cflags=flags["cxx"],
         extra_cuda_cflags=flags["nvcc"],
         extra_include_paths=[str(src)],
