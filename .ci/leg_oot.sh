@@ -54,4 +54,4 @@ grep -q "^toyaccel .*pagedllm-toyaccel .*available" <<< "$TABLE" || {
 }
 
 "$VPY" -m pytest -q -p no:cacheprovider --pyargs pagedllm.testing tests/backends/test_plugins.py \
-  --device toyaccel
+  --device toyaccel ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/toyaccel.json"}

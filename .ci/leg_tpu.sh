@@ -37,4 +37,5 @@ grep -q "^tpu .* available" <<< "$TABLE" || {
 
 # the pytest11 entry point needs an installed pagedllm; here the plugin is named explicitly
 "$VPY" -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin --durations=10 \
-  --pyargs pagedllm.testing tests/backends/test_tpu.py --device tpu
+  --pyargs pagedllm.testing tests/backends/test_tpu.py --device tpu \
+  ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/tpu.json"}

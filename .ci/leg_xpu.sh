@@ -29,4 +29,5 @@ echo "xpu: pagedllm backends (no Intel GPU here: xpu reports why)"
 "$VPY" -m pagedllm.entrypoints.cli backends 2>/dev/null
 
 "$VPY" -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin --durations=10 \
-  --pyargs pagedllm.testing tests/backends/test_xpu.py --device cpu --attention-backend ipex
+  --pyargs pagedllm.testing tests/backends/test_xpu.py --device cpu --attention-backend ipex \
+  ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/xpu.json"}
