@@ -1,5 +1,7 @@
 """GPTQ (GPTQModel/AutoGPTQ v1 layout) and AWQ (AutoAWQ GEMM layout) checkpoints: greedy tokens
-equal transformers' on the dequantized float32 twin, logprobs within float32 noise.
+equal transformers' on the dequantized float32 twin, logprobs within float32 noise. On the cpu
+backend the 4-bit cases without act order run its INT4 kernel, 8-bit per-channel symmetric its
+INT8 kernel (backends/cpu/quant_ops.py), the rest the reference.
 
 The checkpoints come from quant_writers.py (gptqmodel and autoawq cannot be installed on the
 CPU test machine; see there)."""
@@ -20,6 +22,7 @@ GPTQ_CASES = {
     "4bit-g32-sym": (4, 32, True, False),
     "4bit-g32-asym-desc_act": (4, 32, False, True),
     "8bit-g64-asym": (8, 64, False, False),
+    "8bit-channel-sym": (8, -1, True, False),  # the cpu backend's INT8 kernel
     "8bit-channel-sym-desc_act": (8, -1, True, True),
 }
 

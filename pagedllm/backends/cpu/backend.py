@@ -85,10 +85,12 @@ class CpuBackend(Backend):
         the csrc/cpu layer kernels (float32, bfloat16, float16) and greedy_logprobs on the csrc/cpu
         sampler (layer_ops.py) where the cpu kernels load, unless attention_backend="torch"."""
         from pagedllm.backends.cpu import ops as cpu_ops
+        from pagedllm.backends.cpu import quant_ops
         from pagedllm.models.layers.moe_ops import fused_moe_grouped
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
+        quant_ops.register(ops)  # weight-only INT8 / INT4 kernels for quantized checkpoints
         ops.register("fused_moe", fused_moe_grouped)  # one sort by expert; bit-equal
         kernels = _cpu_kernels() if self.native_ops else None
         if kernels is None:

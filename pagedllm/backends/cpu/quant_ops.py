@@ -1,0 +1,101 @@
+"""Weight-only INT8 / INT4 linears on CPU through torch's packed kernels.
+
+``quant_linear_prepare`` re-packs a quantized linear (models/layers/quantization canonical
+layout) once after loading, where the layout fits a kernel:
+  - 8-bit codes, symmetric (every zero point 128), one scale per output channel:
+    ``torch._weight_int8pack_mm`` (int8 weights [out, in], scales [out]);
+  - 4-bit codes in groups of 32/64/128/256 in column order (no act-order g_idx):
+    ``torch._weight_int4pack_mm_for_cpu``, which computes (q - 8) * scale + offset per group, so
+    the zero point z becomes the offset (8 - z) * scale.
+Both run in the activation dtype with float accumulation (exact to float32 rounding for float32
+models). Other layouts (grouped INT8, act order, FP8 weights) keep the reference
+dequantize-and-multiply. The packed weights replace the codes (the INT4 packing is half a byte
+per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
+
+logger = logging.getLogger(__name__)
+
+QUANT_KERNELS_ENV = "PAGEDLLM_CPU_QUANT_KERNELS"
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quant_kernels_enabled() -> bool:
+    return os.environ.get(QUANT_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off")
+
+
+def _route(layer: nn.Module) -> str | None:
+    """"int8", "int4" or None (the reference) for this layer's layout."""
+    q, w = layer.quant, layer.weight
+    if w.dtype != torch.uint8 or q.zero is None or q.act != "none":
+        return None
+    bits = q.method.bits
+    if bits == 8 and q.scale.shape[1] == 1 and bool((q.zero == 128).all()):
+        return "int8"
+    if (bits == 4 and q.g_idx is None and q.group_size in INT4_GROUP_SIZES
+            and w.shape[1] % q.group_size == 0):
+        return "int4"
+    return None
+
+
+def quant_linear_prepare(layer: nn.Module) -> None:
+    """Pack the layer's codes for the kernel its layout fits (see the module doc)."""
+    layer.cpu_quant_route = None
+    if not quant_kernels_enabled():
+        return
+    route = _route(layer)
+    if route is None:
+        return
+    q, codes = layer.quant, layer.weight.data
+    dtype = layer.ctx.dtype
+    try:
+        if route == "int8":
+            layer.cpu_int8_weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+            layer.cpu_int8_scale = q.scale[:, 0].to(dtype).contiguous()  # [out]
+        else:
+            gs = q.group_size
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            # [in / gs, out, 2]: (scale, offset) per group and output channel
+            scales_zeros = torch.stack([q.scale.t(), ((8 - q.zero) * q.scale).t()], dim=-1)
+            layer.cpu_int4_weight = packed
+            layer.cpu_int4_scales_zeros = scales_zeros.to(dtype).contiguous()
+            layer.cpu_int4_group_size = gs
+    except RuntimeError as exc:  # a shape the kernel does not take
+        logger.info("cpu: %s kernel unavailable for a %s linear (%s); the reference runs",
+                    route, tuple(codes.shape), exc)
+        return
+    layer.cpu_quant_route = route
+    layer.cpu_out_features = codes.shape[0]
+    # the codes are no longer read: keep a 0-element placeholder of the same dtype
+    layer.weight = nn.Parameter(codes.new_empty((0, codes.shape[1])), requires_grad=False)
+
+
+def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x [T, in] -> [T, out] in x's dtype."""
+    route = getattr(layer, "cpu_quant_route", None)
+    if route is None:
+        return reference_quant_linear(x, layer)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if route == "int8":
+        y = torch._weight_int8pack_mm(x2, layer.cpu_int8_weight, layer.cpu_int8_scale)
+    else:
+        y = torch._weight_int4pack_mm_for_cpu(x2, layer.cpu_int4_weight, layer.cpu_int4_group_size,
+                                              layer.cpu_int4_scales_zeros)
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], layer.cpu_out_features)
+
+
+def register(ops: Any) -> None:
+    ops.register("quant_linear", quant_linear)
+    ops.register("quant_linear_prepare", quant_linear_prepare)

@@ -1,0 +1,90 @@
+"""The cpu backend's INT8 / INT4 weight-only kernels (backends/cpu/quant_ops.py) against a
+float64 dequantized reference, the layouts they take, and the reference fallback elsewhere."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm.backends.cpu import quant_ops
+from pagedllm.models.layers.quantization.base import QuantizationConfig, QuantParams
+from pagedllm.models.layers.quantization.reference import dequantize_weight
+
+
+class Method(QuantizationConfig):
+    name = "test"
+
+    def __init__(self, bits: int, group_size: int, g_idx: bool = False) -> None:
+        self.bits, self.group_size, self.has_g_idx = bits, group_size, g_idx
+
+
+class Layer(nn.Module):
+    """A quantized linear as LinearBase builds it (one rank)."""
+
+    splits_input = False
+
+    def __init__(self, out: int, inp: int, method: Method, dtype: torch.dtype, sym: bool,
+                 seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.ctx = types.SimpleNamespace(tp=types.SimpleNamespace(size=1, rank=0),
+                                         device=torch.device("cpu"), dtype=dtype)
+        levels = 1 << method.bits
+        self.weight = nn.Parameter(torch.randint(0, levels, (out, inp), generator=gen)
+                                   .to(torch.uint8), requires_grad=False)
+        self.bias = None
+        self.quant = QuantParams(self, inp, out, method)
+        self.quant.scale.data = torch.rand(self.quant.scale.shape, generator=gen) * 0.01 + 1e-3
+        if sym:
+            self.quant.zero.data.fill_(levels // 2)
+        else:
+            self.quant.zero.data = torch.randint(0, levels, self.quant.scale.shape,
+                                                 generator=gen).float()
+        if method.has_g_idx:
+            self.quant.g_idx.data = torch.randperm(inp, generator=gen).to(torch.int32) \
+                // method.group_size
+
+
+CASES = {  # name -> (bits, group_size, sym, g_idx, expected route)
+    "int8-channel-sym": (8, 0, True, False, "int8"),
+    "int4-g32-asym": (4, 32, False, False, "int4"),
+    "int4-g128-sym": (4, 128, True, False, "int4"),
+    "int8-g32-sym": (8, 32, True, False, None),  # grouped INT8: no kernel, the reference
+    "int8-channel-asym": (8, 0, False, False, None),
+    "int4-g32-act-order": (4, 32, True, True, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", [1, 7])
+def test_matches_float64_dequantized(case: str, dtype: torch.dtype, rows: int) -> None:
+    bits, gs, sym, g_idx, route = CASES[case]
+    layer = Layer(96, 256, Method(bits, gs, g_idx), dtype, sym)
+    w64 = dequantize_weight(layer, torch.float64)
+    quant_ops.quant_linear_prepare(layer)
+    assert layer.cpu_quant_route == route
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = quant_ops.quant_linear(x, layer)
+    assert y.dtype == dtype and y.shape == (rows, 96)
+    ref = x.double() @ w64.t()
+    # float32: accumulation-order noise; bfloat16: scales/offsets and the output in bf16
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_int4_packing_drops_the_codes() -> None:
+    """After packing, the 4-bit weight takes half a byte per value (the INT4 memory claim)."""
+    layer = Layer(128, 256, Method(4, 32), torch.bfloat16, sym=True)
+    quant_ops.quant_linear_prepare(layer)
+    assert layer.weight.numel() == 0
+    assert layer.cpu_int4_weight.numel() * layer.cpu_int4_weight.element_size() == 128 * 256 // 2
+
+
+def test_env_switch_keeps_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant_ops.QUANT_KERNELS_ENV, "0")
+    layer = Layer(32, 64, Method(8, 0), torch.float32, sym=True)
+    quant_ops.quant_linear_prepare(layer)
+    assert layer.cpu_quant_route is None and layer.weight.numel() == 32 * 64
