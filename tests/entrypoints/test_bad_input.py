@@ -92,7 +92,7 @@ BAD_CHATS = [
     ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ({"n": 100}, "n"),
     ({"stop": [""]}, "stop"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"logprobs": "yes"}, "logprobs"),
 ]

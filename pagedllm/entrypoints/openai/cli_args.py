@@ -30,6 +30,9 @@ class ServerSettings:
     max_body_bytes: int = 4 * MiB
     shutdown_timeout: float = 30.0
     chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -63,6 +66,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (file path or inline) overriding the "
                              "tokenizer's (default: the tokenizer's)")
+    add_structured_output_args(server)
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
                         help="run the engine in the server's process (a thread) instead of its "
                              "own process")
@@ -73,6 +77,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="no access log line per HTTP request")
     add_engine_args(parser.add_argument_group("engine"), AsyncEngineArgs, skip=("model",))
     return parser
+
+
+def add_structured_output_args(group: Any) -> None:
+    """Tool calling and reasoning output (vLLM's flags)."""
+    from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide when to call tools (tool_choice 'auto', the "
+                            "default when a request has tools); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls appear in this model's output")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="return the <think>...</think> part of the output as "
+                            "reasoning_content")
 
 
 def add_engine_args(parser: Any, cls: type[EngineArgs] = AsyncEngineArgs,
@@ -113,6 +132,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key == "":
         parser.error("--api-key is empty; give a key or leave the flag out")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (one of hermes, "
+                     "llama3_json, mistral)")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -132,4 +154,6 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         served_model_names=list(args.served_model_name or [args.model]), model_path=args.model,
         api_key=args.api_key, max_n=args.max_n, max_logprobs=args.max_logprobs,
         max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        chat_template=load_chat_template(args.chat_template))
+        chat_template=load_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)

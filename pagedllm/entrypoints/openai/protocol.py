@@ -190,10 +190,36 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -216,7 +242,24 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates read arguments as an object (``| tojson``) where the JSON text parses
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(
+                     c.function.arguments)}} for c in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
@@ -227,7 +270,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: NonNegativeInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
@@ -235,12 +278,17 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("tools")
+    @field_validator("tool_choice", mode="plain")
     @classmethod
-    def _tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calling is not supported by this server")
-        return value
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if (isinstance(value, dict) and value.get("type") == "function"
+                and isinstance(value.get("function"), dict)
+                and isinstance(value["function"].get("name"), str)):
+            return value
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': NAME}}")
 
 
 

@@ -70,6 +70,21 @@ def error_event(exc: BaseException) -> str:
     return sse(OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {exc}").body())
 
 
+def prompt_logprobs_json(texts: TokenTexts, out: RequestOutput) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}}; rank orders the entries of a position (1 = most likely)."""
+    result: list[dict[str, Any] | None] = []
+    for entry in out.prompt_logprobs or []:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+        result.append({str(t): {"logprob": max(lp, -9999.0), "rank": r,
+                                "decoded_token": texts(t)}
+                       for r, (t, lp) in enumerate(ranked, start=1)})
+    return result
+
+
 class ServingContext:
     def __init__(self, engine: AsyncEngineBase, settings: ServerSettings, tokenizer: Any) -> None:
         self.engine = engine
@@ -100,7 +115,8 @@ class ServingContext:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    kwargs: dict[str, Any] | None = None) -> str:
+                    kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a conversation, through the tokenizer's (or --chat-template) template."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be "
@@ -114,7 +130,7 @@ class ServingContext:
                 [m.to_template() for m in messages], tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=template,
-                **(kwargs or {}))
+                tools=tools, **(kwargs or {}))
         except Exception as exc:  # jinja errors, raise_exception() in templates, bad kwargs
             raise bad_request(f"the chat template failed on these messages: {exc}",
                               "messages") from exc

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the chat template renders the messages, then one engine request."""
+"""POST /v1/chat/completions: the chat template renders the messages (and tools), then one
+engine request; tool calls and reasoning are split out of the output (chat_output.py)."""
 from __future__ import annotations
 
 import time
@@ -9,11 +10,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedllm.engine.async_engine import AsyncStream
+from pagedllm.entrypoints.openai.chat_output import ChoiceStream, ToolMode, final_message
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, ChunkFormat, Prompt, ServingContext,
-                                                      error_event, random_id, sse, usage)
+                                                      error_event, prompt_logprobs_json,
+                                                      random_id, sse, usage)
+from pagedllm.entrypoints.openai.structured import guided_decoding
+from pagedllm.entrypoints.openai.tools import template_tools, tool_mode
 from pagedllm.outputs import RequestOutput
 
 
@@ -29,9 +34,11 @@ class OpenAIServingChat:
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         n = req.n or 1
         ctx.check_limits(n, None, top_k, "top_logprobs")
+        mode, tool_constraint = tool_mode(req, ctx.settings)
+        guided = guided_decoding(req, tool_constraint)
         text = ctx.render_chat(req.messages, req.add_generation_prompt is not False,
                                bool(req.continue_final_message), req.chat_template,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, tools=template_tools(req))
         ids = ctx.tokenize(text, add_special_tokens=False)  # the template adds any BOS itself
         if not ids:
             raise bad_request("the messages render to an empty prompt", "messages")
@@ -40,33 +47,39 @@ class OpenAIServingChat:
         else:
             requested, max_param = req.max_tokens, "max_tokens"
         max_tokens = ctx.resolve_max_tokens(len(ids), requested, None, "messages", max_param)
-        params = ctx.sampling_params(req, max_tokens, n, logprobs=top_k)
+        params = ctx.sampling_params(req, max_tokens, n, logprobs=top_k, guided=guided)
         request_id, created = random_id("chatcmpl"), int(time.time())
         streams = await ctx.add_requests(request_id, [Prompt(text, ids)], [params],
                                          final_only=not req.stream, prompt_param="messages")
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
+        reasoning = ctx.settings.reasoning_parser is not None
         events = (self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], n,
-                               top_k) if req.stream else None)
-        return await ctx.respond(streams, raw_request, events,
-                                 lambda finals: self._response(head, finals[0], top_k))
+                               top_k, mode, reasoning) if req.stream else None)
+        return await ctx.respond(streams, raw_request, events, lambda finals: self._response(
+            req, head, finals[0], top_k, mode, reasoning))
 
-    def _response(self, head: dict[str, Any], out: RequestOutput, top_k: int | None
-                  ) -> dict[str, Any]:
+    def _response(self, req: ChatCompletionRequest, head: dict[str, Any], out: RequestOutput,
+                  top_k: int | None, mode: ToolMode, reasoning: bool) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
             logprobs = None
             if top_k is not None:
                 logprobs = chat_logprobs(self.ctx.token_texts, c.token_ids, c.logprobs or [], top_k)
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            message, finish = final_message(c.text, mode, reasoning, c.finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         completion = sum(len(c.token_ids) for c in out.outputs)
-        return {**head, "choices": choices, "usage": usage(len(out.prompt_token_ids), completion),
-                "system_fingerprint": None}
+        body = {**head, "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), completion), "system_fingerprint": None}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(self.ctx.token_texts, out)
+        return body
 
     async def _stream(self, req: ChatCompletionRequest, head: dict[str, Any], stream: AsyncStream,
-                      n: int, top_k: int | None) -> AsyncIterator[str]:
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+                      n: int, top_k: int | None, mode: ToolMode, reasoning: bool
+                      ) -> AsyncIterator[str]:
+        sent_tokens, done = [0] * n, [False] * n
+        choice_streams = [ChoiceStream(mode, reasoning) for _ in range(n)]
         num_prompt = num_completion = 0
         fmt_chunk = ChunkFormat(head)
         try:
@@ -79,21 +92,27 @@ class OpenAIServingChat:
                     i = c.index
                     if done[i]:
                         continue
-                    text, ids = c.text[sent_chars[i]:], c.token_ids[sent_tokens[i]:]
-                    if not text and not ids and c.finish_reason is None:
+                    ids = c.token_ids[sent_tokens[i]:]
+                    finished = c.finish_reason is not None
+                    delta, called = choice_streams[i].delta(c.text, finished)
+                    if not delta and not ids and not finished:
                         continue
                     logprobs = None
                     if top_k is not None:
                         logprobs = chat_logprobs(self.ctx.token_texts, ids,
                                                  (c.logprobs or [])[sent_tokens[i]:], top_k)
-                    sent_chars[i] = max(sent_chars[i], len(c.text))
                     sent_tokens[i] = len(c.token_ids)
-                    if c.finish_reason is not None:
+                    finish = c.finish_reason
+                    if finished:
                         done[i] = True
                         num_completion += len(c.token_ids)
+                        if called and finish == "stop":
+                            finish = "tool_calls"
+                    if not delta and not finished and logprobs is None:
+                        continue
                     parts.append(fmt_chunk.choice({
-                        "index": i, "delta": {"content": text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        "index": i, "delta": delta or {"content": ""},
+                        "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": c.stop_reason}))
                 if out.finished:
                     num_prompt = len(out.prompt_token_ids)

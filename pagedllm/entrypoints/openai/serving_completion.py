@@ -13,6 +13,7 @@ from pagedllm.entrypoints.openai.logprobs import CompletionLogprobs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_base import (SSE_DONE, ChunkFormat, Prompt, ServingContext,
                                                       error_event, merge_streams,
+                                                      prompt_logprobs_json,
                                                       random_id, sse, usage)
 from pagedllm.engine.async_engine import AsyncStream
 from pagedllm.outputs import RequestOutput
@@ -87,6 +88,9 @@ class OpenAIServingCompletion:
                 choices.append({"index": i * n + c.index, "text": echo + c.text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
+                if req.prompt_logprobs is not None:  # vLLM's: per choice
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_json(self.ctx.token_texts,
+                                                                          out)
         choices.sort(key=lambda c: c["index"])
         return {**head, "choices": choices, "usage": usage(num_prompt, num_completion),
                 "system_fingerprint": None}
