@@ -1,4 +1,5 @@
-"""Tensor parallelism over a Ray cluster: one actor per rank, placed by a placement group.
+"""Tensor and pipeline parallelism over a Ray cluster: one actor per rank (pp_rank * tp_size +
+tp_rank), placed by a placement group.
 
 Ray is joined the usual way: a ``ray.init(...)`` made before the engine starts is used as is;
 otherwise ``ray.init()`` connects to the cluster in ``RAY_ADDRESS`` (or one started with
@@ -21,12 +22,13 @@ from typing import Any
 
 from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.batch import ScheduledBatch
+from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import WorkerDiedError, WorkerError
 from pagedllm.distributed.utils import (available_cpus, forwarded_env, get_open_port,
                                         verify_tensor_parallel, worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
 from pagedllm.executor.base import MultiWorkerExecutor
+from pagedllm.worker.pending import PendingOutputs
 
 try:
     import ray
@@ -101,10 +103,28 @@ class _RayResources:
             ray.shutdown()
 
 
+class _RaySubmitted(PendingOutputs):
+    """A submitted step's object refs; ``result()`` waits for them (or an actor's death)."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        super().__init__([])
+        self._executor, self._refs = executor, refs
+
+    def result(self) -> list[SeqOutput]:
+        if self._refs is not None:
+            ex = self._executor
+            if ex._error is not None:
+                raise WorkerError(f"the workers failed earlier ({ex._error}); the engine must "
+                                  "be restarted") from ex._error
+            self._outputs = ex._gather(self._refs, "execute")[ex.output_rank] or []
+            self._refs = None
+        return self._outputs
+
+
 class RayExecutor(MultiWorkerExecutor):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         super().__init__(config, backend)
-        n = config.parallel.tensor_parallel_size
+        n = config.parallel.world_size  # tensor_parallel_size * pipeline_parallel_size
         verify_tensor_parallel(config, backend, one_host=False)
         self.world_size = n
         self._error: BaseException | None = None
@@ -126,8 +146,11 @@ class RayExecutor(MultiWorkerExecutor):
         resource = ray_resource(backend)
         have = ray.cluster_resources().get(resource, 0)
         if have < n:
-            raise RuntimeError(f"tensor_parallel_size={n} needs {n} x {resource} but the Ray "
-                               f"cluster has {have:g}; add nodes or lower tensor_parallel_size")
+            p = config.parallel
+            raise RuntimeError(f"tensor_parallel_size={p.tensor_parallel_size} x "
+                               f"pipeline_parallel_size={p.pipeline_parallel_size} needs {n} x "
+                               f"{resource} but the Ray cluster has {have:g}; add nodes or lower "
+                               f"the parallel sizes")
         pg = self._res.pg = placement_group([{resource: 1}] * n, strategy="PACK")
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -177,6 +200,15 @@ class RayExecutor(MultiWorkerExecutor):
         if self._finalizer.alive:
             self._finalizer.detach()
             self._res.release(graceful=self._error is None)
+
+    def submit(self, batch: ScheduledBatch) -> PendingOutputs:
+        """Queue the step on every actor and return: an actor runs its calls in order, so with
+        pipeline stages stage i runs this step while stage i+1 still runs the one before."""
+        if self._error is not None:
+            raise WorkerError(f"the workers failed earlier ({self._error}); the engine must be "
+                              "restarted") from self._error
+        packed = self._pack(batch)
+        return _RaySubmitted(self, [a.execute.remote(packed) for a in self.actors])
 
     # --- calls ---------------------------------------------------------------------------
     def _call(self, method: str, *args: Any) -> list[Any]:

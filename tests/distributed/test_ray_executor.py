@@ -42,6 +42,18 @@ def test_ray_tp2_matches_tp1(arch: str, overrides: dict, ray_cluster, checkpoint
     assert ray.is_initialized()  # the cluster we started stays; the executor only joined it
 
 
+def test_ray_pp2_matches_pp1(ray_cluster, checkpoint_factory, tp1_tokens) -> None:
+    """Pipeline stages as Ray actors: batches of both virtual engines in flight."""
+    expected = tp1_tokens("qwen2", {})
+    llm = LLM(checkpoint_factory("qwen2"), device="cpu", dtype="float32",
+              pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert greedy(llm) == expected
+        llm.llm_engine.executor.check_health()
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_ray_killed_actor_fails_fast(ray_cluster, checkpoint_factory) -> None:
     llm = LLM(checkpoint_factory("llama"), device="cpu", dtype="float32", tensor_parallel_size=2,
               distributed_executor_backend="ray")
