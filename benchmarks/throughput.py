@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import add_report_args, check_report_args, write_report
+from tqdm import tqdm
+
 logger = logging.getLogger("throughput")
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -271,7 +274,7 @@ def report(results: dict[str, dict[str, Any]], gemm: dict[str, Any], flops: floa
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--model", type=Path, help="HF Llama folder (default: cached bench99m)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
@@ -295,8 +298,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds over the engines (round robin); the table shows each one's median")
     p.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
-    p.add_argument("--output-json", type=Path)
+    add_report_args(p)  # --output-json, --plot
     args = p.parse_args(argv)
+    try:
+        check_report_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     for name in ("input_len", "output_len", "num_prompts", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -304,7 +311,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from pagedllm.logger import configure_logging
+
+    configure_logging()
     args = parse_args(argv)
     adopt_orphans()
     backends = parse_backends(args.backend)
@@ -325,23 +334,28 @@ def main(argv: list[str] | None = None) -> None:
                      child_env("gemm", args.kv_cache_gib))
     flops = flops_per_token(config, args.input_len + args.output_len / 2)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
+    bar = tqdm(total=args.repeats * len(backends), desc="engine runs", unit="run")
     for _ in range(args.repeats):  # round robin, so a machine whose speed drifts hits all alike
         for name in backends:
+            bar.set_postfix_str(name)
             python = args.vllm_python if name == "vllm" else sys.executable
             result = run_child(name, python, dict(spec, backend=name), log_dir,
                                child_env(name, args.kv_cache_gib))
             if "error" not in result:
                 add_metrics(result, args, flops)
             runs[name].append(result)
+            bar.update()
+    bar.close()
     results = {name: median_run(rs) for name, rs in runs.items()}
     if args.repeats > 1:
         for name, rs in runs.items():
             rates = [f"{r['output_tok_per_s']:.1f}" for r in rs if "error" not in r]
             logger.info("%s output tok/s per round: %s (table: the median)", name, ", ".join(rates))
     summary = report(results, gemm, flops, args, config)
-    if args.output_json:
-        args.output_json.write_text(json.dumps(summary, indent=2))
-        logger.info("wrote %s", args.output_json)
+    bars = [(name, r["output_tok_per_s"]) for name, r in results.items() if "error" not in r]
+    bars.sort(key=lambda bar: bar[0] != "pagedllm")  # pagedllm first: the ratios are to it
+    write_report(args, summary, bars, title=f"{args.num_prompts} x {args.input_len}/"
+                 f"{args.output_len} tokens, {args.dtype}, {args.model.name}")
 
 
 if __name__ == "__main__":

@@ -70,3 +70,15 @@ def test_help_output_lists_every_flag_and_version() -> None:
     ver = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "--version"],
                          capture_output=True, text=True, timeout=120)
     assert ver.returncode == 0 and ver.stdout.strip() == __version__
+
+
+def test_throughput_script_help_has_its_whole_description() -> None:
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                         text=True, env=dict(os.environ, COLUMNS="300"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    description = out.stdout.split("\n\n")[1]
+    assert "(like vLLM's benchmark_throughput)" in description and "ignore_eos" in description
+    assert "--output-json PATH" in out.stdout and "--plot PATH" in out.stdout
