@@ -6,18 +6,21 @@ import argparse
 
 
 def models_table() -> list[list[str]]:
-    """Rows [architecture, features, backends]; the first row is the header. A backend counts
-    when it loads and declares every feature of the family (``Capabilities.attention_features``)."""
+    """Rows [architecture, features, backends for every config, backends only for configs that
+    leave the features off]; the first row is the header. A backend counts when it loads; it
+    runs every config when it declares each feature (``Capabilities.attention_features``)."""
     from pagedllm.backends.registry import discover
     from pagedllm.models.registry import MODEL_REGISTRY
 
     backends = [info for info in discover().values() if info.cls is not None]
-    rows = [["architecture", "attention features", "backends"]]
+    rows = [["architecture", "attention features", "backends", "only without them"]]
     for arch in sorted(MODEL_REGISTRY):
-        features = MODEL_REGISTRY[arch].features
-        able = [b.name for b in backends
-                if set(features) <= set(b.cls.capabilities.attention_features)]
-        rows.append([arch, ",".join(features) or "-", ",".join(able) or "none"])
+        features = set(MODEL_REGISTRY[arch].features)
+        full = [b.name for b in backends
+                if features <= set(b.cls.capabilities.attention_features)]
+        partial = [b.name for b in backends if b.name not in full]
+        rows.append([arch, ",".join(sorted(features)) or "-", ",".join(full) or "none",
+                     ",".join(partial) or "-"])
     return rows
 
 

@@ -73,7 +73,9 @@ def test_models_command_table(capsys, monkeypatch) -> None:
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == set(MODEL_REGISTRY)
     assert rows["LlamaForCausalLM"][0] == "-" and "cpu" in rows["LlamaForCausalLM"][1].split(",")
-    assert rows["NeedsTestFeature"] == ["test_feature", "none"]
+    assert rows["LlamaForCausalLM"][2] == "-"
+    assert rows["NeedsTestFeature"][:2] == ["test_feature", "none"]
+    assert "cpu" in rows["NeedsTestFeature"][2].split(",")
     monkeypatch.setattr(CpuBackend, "capabilities",
                         dataclasses.replace(CpuBackend.capabilities,
                                             attention_features=("test_feature",)))
@@ -81,3 +83,4 @@ def test_models_command_table(capsys, monkeypatch) -> None:
         cli_main(["models"])
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
     assert "cpu" in rows["NeedsTestFeature"][1].split(",")
+    assert "cpu" not in rows["NeedsTestFeature"][2].split(",")
