@@ -242,7 +242,8 @@ RUNNERS: dict[str, Callable[[Spec], Result]] = {
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%Y-%m-%d %H:%M:%S",  # pagedllm.logger's
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec_path, result_path = argv
     with open(spec_path) as f:
         spec = json.load(f)

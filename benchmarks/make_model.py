@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%Y-%m-%d %H:%M:%S",  # pagedllm.logger's
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_checkpoint(args.out_dir, args.preset, args.dtype, args.seed)
 
 

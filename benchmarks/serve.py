@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--offline-worker":
         offline_worker(sys.argv[2], sys.argv[3])
         return
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%Y-%m-%d %H:%M:%S",  # pagedllm.logger's
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="pagedllm-serve-bench-"))

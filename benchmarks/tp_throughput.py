@@ -295,11 +295,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:  # one engine run: --child SPEC.json RESULT.json
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, datefmt="%Y-%m-%d %H:%M:%S",  # pagedllm.logger's
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         spec = json.loads(Path(argv[1]).read_text())
         Path(argv[2]).write_text(json.dumps(run_engine(spec)))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%Y-%m-%d %H:%M:%S",  # pagedllm.logger's
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedllm-tp-"))

@@ -45,6 +45,9 @@ def _worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A worker process: start the rank, then serve (method, args) calls until told to stop or
     until the driver goes away (EOF on the pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    from pagedllm.logger import configure_logging
+
+    configure_logging()  # a spawned process starts without handlers
     wrapper = WorkerWrapper()
     try:
         wrapper.init_worker(spec)
