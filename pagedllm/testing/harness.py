@@ -72,7 +72,8 @@ def raw_config(backend: Backend, *, dtype: str, block_size: int, num_heads: int 
     model = ModelConfig(model="pagedllm-conformance", tokenizer="pagedllm-conformance",
                         dtype=dtype, max_model_len=8192, hf_config=hf_config)
     cache = CacheConfig(block_size=block_size,
-                        enable_prefix_caching=features.pop("enable_prefix_caching", False))
+                        enable_prefix_caching=features.pop("enable_prefix_caching", False),
+                        cache_dtype=features.pop("kv_cache_dtype", None) or "auto")
     sched = SchedulerConfig(max_num_seqs=16, **features)
     sched.resolve(model.max_model_len)
     return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=ParallelConfig(),
@@ -96,7 +97,8 @@ def make_attention(backend: Backend, *, dtype: str, block_size: int, num_heads: 
     config = make_config(backend, dtype=dtype, block_size=block_size, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_size=head_size,
                          sliding_window=attn_kwargs.get("sliding_window"),
-                         logits_soft_cap=attn_kwargs.get("logits_soft_cap"))
+                         logits_soft_cap=attn_kwargs.get("logits_soft_cap"),
+                         kv_cache_dtype=attn_kwargs.get("kv_cache_dtype"))
     cls = backend.attention_cls(config)
     if not (isinstance(cls, type) and issubclass(cls, AttentionImpl)):
         raise TypeError(f"{type(backend).__name__}.attention_cls() returned {cls!r}, which is not "
@@ -104,6 +106,18 @@ def make_attention(backend: Backend, *, dtype: str, block_size: int, num_heads: 
     kwargs = {k: v for k, v in attn_kwargs.items() if v is not None}
     return cls(num_heads, head_size, num_kv_heads,
                head_size ** -0.5 if scale is None else scale, **kwargs)
+
+
+# kv_cache_dtype -> the element type of the cache tensor (the Worker allocates it so)
+KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn}
+
+
+def round_to_cache(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """``x`` as the cache stores it and reads it back (fp8: e4m3 with scale 1.0, saturating at
+    +-448), in ``x``'s dtype: what the float64 reference must see."""
+    if kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
+        return x
+    return x.float().clamp(-448.0, 448.0).to(KV_CACHE_TORCH_DTYPES[kv_cache_dtype]).to(x.dtype)
 
 
 def cache_shape(impl: AttentionImpl, num_blocks: int, block_size: int) -> tuple[int, ...]:

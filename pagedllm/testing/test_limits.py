@@ -9,13 +9,15 @@ one step with pad rows, so a single call exercises both paths; one dimension var
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 from pagedllm.backends.interface import Backend, Capabilities
-from pagedllm.testing.harness import garbage_cache, make_attention, tolerance, torch_dtype
+from pagedllm.testing.harness import (KV_CACHE_TORCH_DTYPES, garbage_cache, make_attention,
+                                      round_to_cache, torch_dtype)
 from pagedllm.testing.metrics import assert_close
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
 from pagedllm.testing.sweep import (CUSTOM_SCALES, default_head_size, default_heads,
@@ -26,7 +28,9 @@ AREA = "declared limits"
 CAPABILITY_OF = {"test_every_block_size": "block sizes", "test_head_size": "head sizes",
                  "test_gqa_group": "GQA groups", "test_long_context": "long context",
                  "test_custom_scale": "custom scale", "test_dtype_edges": "dtype range edges",
-                 "test_reordered_batch": "reordered batch"}
+                 "test_reordered_batch": "reordered batch", "test_kv_cache_dtype": "kv cache dtype"}
+# KV-cache dtypes other than "auto" that the suite knows how to store and round
+KV_CACHE_DTYPES = tuple(KV_CACHE_TORCH_DTYPES)
 # fp16's largest finite value; bf16 inputs beyond it catch a bf16 cache written through fp16
 FP16_MAX = 65504.0
 
@@ -215,3 +219,37 @@ def test_logits_soft_cap(conformance_backend: Backend, conformance_caps: Capabil
                         dtype=conformance_dtype, bs=bs, logits_soft_cap=cap,
                         magnitudes=(3., 3., 1.), device=conformance_device, rng=conformance_rng)
     assert_close(got, ref, conformance_dtype, f"logits_soft_cap={cap}")
+
+
+# --- KV-cache dtypes (Capabilities.kv_cache_dtypes) ---------------------------------------------
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param(
+    k, marks=pytest.mark.capability(f"kv_cache:{k}")) for k in KV_CACHE_DTYPES])
+def test_kv_cache_dtype(conformance_backend: Backend, conformance_caps: Capabilities,
+                        conformance_dtype: str, kv_cache_dtype: str,
+                        conformance_device: torch.device, conformance_rng: torch.Generator
+                        ) -> None:
+    """A declared KV-cache dtype: K/V stored in it (scale 1.0) and read back by attention equal
+    the float64 reference over the same K/V rounded to that type."""
+    caps, dev, bs = conformance_caps, conformance_device, conformance_caps.preferred_block_size
+    h, kvh = default_heads(caps)
+    hs = default_head_size(caps)
+    impl = make_attention(conformance_backend, dtype=conformance_dtype, block_size=bs,
+                          num_heads=h, num_kv_heads=kvh, head_size=hs,
+                          kv_cache_dtype=kv_cache_dtype)
+    specs = step_specs(caps, bs)
+    batch = PagedBatch.random(specs, num_heads=h, num_kv_heads=kvh, head_size=hs, block_size=bs,
+                              dtype=torch_dtype(conformance_dtype), device=dev,
+                              generator=conformance_rng)
+    shape = tuple(impl.kv_cache_shape(batch.num_blocks, bs, kvh, hs))
+    cache = ((torch.randn(shape, generator=conformance_rng) * 4)
+             .to(KV_CACHE_TORCH_DTYPES[kv_cache_dtype]).to(dev))  # stale finite values
+    batch.write_context(impl, cache, dev)
+    t = batch.query.shape[0]
+    got = batch.run(impl, cache, dev, pad_tokens_to=t + 3)[:t].cpu()
+    rounded = dataclasses.replace(
+        batch, key=round_to_cache(batch.key, kv_cache_dtype),
+        value=round_to_cache(batch.value, kv_cache_dtype),
+        context_keys=[round_to_cache(k, kv_cache_dtype) for k in batch.context_keys],
+        context_values=[round_to_cache(v, kv_cache_dtype) for v in batch.context_values])
+    assert_close(got, rounded.reference(impl.scale), conformance_dtype,
+                 f"kv_cache_dtype={kv_cache_dtype!r}, (context, query) {_lens(specs)}")
