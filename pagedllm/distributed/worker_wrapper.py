@@ -70,7 +70,9 @@ class WorkerWrapper:
         torch.set_num_threads(spec.num_threads)
         self.rank = spec.rank
         tp, pp = stage_groups(spec.config, spec.rank)
-        worker = spec.backend.worker_cls()(spec.config, spec.backend, rank=spec.rank, tp=tp, pp=pp)
+        stage = {"pp": pp} if pp.size > 1 else {}  # a plugin's Worker may predate the pp keyword
+        worker = spec.backend.worker_cls()(spec.config, spec.backend, rank=spec.rank, tp=tp,
+                                           **stage)
         init_process_group(spec.backend.dist_backend, spec.init_method, spec.rank, spec.world_size)
         if pp.size > 1 and tp.size > 1:  # every rank creates every stage's group, in one order
             import torch.distributed as dist
