@@ -1,11 +1,54 @@
 """What the engine returns for a request (vLLM-compatible)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+
+class Logprob(float):
+    """A token's logprob that reads like vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 = the
+    most likely token; None where unknown: a sampled token outside the top k) and
+    ``.decoded_token``. It is the float itself too, so arithmetic and comparisons work as on
+    the plain floats the engine passes around."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+
 # token id -> logprob, for the sampled token and the top-k alternatives at one position
-Logprob = float
-PositionLogprobs = dict[int, Logprob]
+PositionLogprobs = dict[int, float]
+
+
+def to_logprob_objects(entry: PositionLogprobs | None, k: int,
+                       decode: Callable[[int], str]) -> dict[int, Logprob] | None:
+    """``entry`` (the chosen token plus the top ``k``) as Logprob objects: the top k ranked 1..k
+    by value; a chosen token outside them gets rank None."""
+    if entry is None:
+        return None
+    ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+    top = ranked[:k]
+    out = {t: Logprob(v, r, decode(t)) for r, (t, v) in enumerate(top, start=1)}
+    for t, v in ranked[k:]:
+        out[t] = Logprob(v, None, decode(t))
+    return out
 
 
 @dataclass
@@ -45,3 +88,13 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = field(default=None, repr=False)
+
+    def use_logprob_objects(self, k: int | None, prompt_k: int | None,
+                            decode: Callable[[int], str]) -> None:
+        """In place: every logprob becomes a ``Logprob`` (offline outputs, as vLLM's)."""
+        for c in self.outputs:
+            if c.logprobs is not None:
+                c.logprobs = [to_logprob_objects(e, k or 0, decode) for e in c.logprobs]  # type: ignore[misc]
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = [to_logprob_objects(e, prompt_k or 0, decode)
+                                    for e in self.prompt_logprobs]

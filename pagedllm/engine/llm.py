@@ -78,7 +78,24 @@ class LLM:
                 while self.llm_engine.has_unfinished_requests():
                     self.llm_engine.step()
                 raise
-            return self._run(ids, use_tqdm)
+            outputs = self._run(ids, use_tqdm)
+        self._use_logprob_objects(outputs, params)
+        return outputs
+
+    def _use_logprob_objects(self, outputs: list[RequestOutput],
+                             params: list[SamplingParams]) -> None:
+        """Offline logprobs as vLLM's ``Logprob`` objects (.logprob, .rank, .decoded_token)."""
+        tok = self.get_tokenizer()
+        cache: dict[int, str] = {}
+
+        def decode(t: int) -> str:
+            if t not in cache:
+                cache[t] = tok.decode([t])
+            return cache[t]
+
+        for out, p in zip(outputs, params):
+            if p.logprobs is not None or p.prompt_logprobs is not None:
+                out.use_logprob_objects(p.logprobs, p.prompt_logprobs, decode)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

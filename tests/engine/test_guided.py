@@ -187,3 +187,24 @@ def test_compile_timeout_fails_only_that_request(llama_path: str) -> None:
     assert "longer than 0.2 s" in (outs[0].error or "")
     assert len(outs[1].outputs[0].token_ids) > 0
     assert_drained(llm.llm_engine)
+
+
+def test_offline_logprobs_are_logprob_objects(llm: LLM) -> None:
+    """As vLLM's: ``v.logprob``, ``v.rank`` (1 = most likely) and ``v.decoded_token``."""
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                               prompt_logprobs=2), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    c = out.outputs[0]
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert entry[token].rank == 1  # greedy: the chosen token is the most likely
+        ranked = sorted(entry.values(), key=lambda v: v.rank)
+        assert [v.rank for v in ranked] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert all(v.decoded_token == tok.decode([t]) for t, v in entry.items())
+    total = sum(entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs))
+    assert total == pytest.approx(c.cumulative_logprob, abs=1e-4)
+    assert out.prompt_logprobs[0] is None
+    for target, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert target in entry and entry[target].logprob <= 0.0
+        ranks = sorted(v.rank for v in entry.values() if v.rank is not None)
+        assert ranks == [1, 2]
