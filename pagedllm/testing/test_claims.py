@@ -16,7 +16,8 @@ from pagedllm.backends.interface import Capabilities
 from pagedllm.testing.e2e import engine_greedy, first_mismatch
 from pagedllm.testing.test_e2e import make_llm
 
-AREA = "claims (graphs, async output)"
+AREA = "claims (graphs, async output, tensor parallel)"
+CAPABILITY_OF = {"test_tensor_parallel_where_this_machine_can": "tensor parallel 2"}
 
 
 def _worker(llm: Any) -> Any:
@@ -68,3 +69,29 @@ def test_async_output_returns_before_the_device_finishes(
                                   conformance_caps, disable_async_output_proc=True), ps)
     assert got == sync, f"async output differs from the synchronous path: {first_mismatch(got, sync)}"
     assert got == expected, f"async output vs transformers: {first_mismatch(got, expected)}"
+
+
+@pytest.mark.capability("dtype:float32")
+def test_tensor_parallel_where_this_machine_can(conformance_checkpoint: str,
+                                                conformance_device_name: str,
+                                                conformance_caps: Capabilities,
+                                                conformance_backend: Any,
+                                                conformance_hf_reference: tuple[list, list]
+                                                ) -> None:
+    """``max_tensor_parallel_size`` (None or >= 2): two ranks on this machine give
+    transformers' greedy tokens. Host-memory backends (torch device cpu) run ranks as
+    processes; others need two devices here."""
+    limit = conformance_caps.max_tensor_parallel_size
+    if limit is not None and limit < 2:
+        pytest.skip(f"max_tensor_parallel_size={limit}: tensor parallelism not declared")
+    if conformance_backend.torch_device != "cpu" and conformance_backend.device_count() < 2:
+        pytest.skip("tensor parallelism needs two devices; this machine has "
+                    f"{conformance_backend.device_count()}")
+    ps, expected = conformance_hf_reference
+    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                   tensor_parallel_size=2)
+    try:
+        got = engine_greedy(llm, ps)
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == expected, f"tensor_parallel_size=2: {first_mismatch(got, expected)}"
