@@ -59,6 +59,14 @@ class Capabilities:
         return f"{','.join(flags) or '-'}; dtypes={'/'.join(self.dtypes)}"
 
 
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache (kv_cache_dtype="fp8") as its bytes: block copies move bits, and
+    index_copy_ has no float8 kernel on CPU."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return cache.view(torch.uint8)
+    return cache
+
+
 class CacheOps:
     """Block copy (copy-on-write) and swap between device and host caches.
 
@@ -71,7 +79,7 @@ class CacheOps:
         if pairs.numel() == 0:
             return
         src, dst = pairs[:, 0], pairs[:, 1]
-        for cache in kv_caches:
+        for cache in map(as_bytes, kv_caches):
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     def swap_blocks(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
@@ -82,7 +90,7 @@ class CacheOps:
         """
         if pairs.numel() == 0:
             return
-        for src, dst in zip(src_caches, dst_caches):
+        for src, dst in zip(map(as_bytes, src_caches), map(as_bytes, dst_caches)):
             src_idx = pairs[:, 0].to(src.device)
             dst_idx = pairs[:, 1].to(dst.device)
             dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))

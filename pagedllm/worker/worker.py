@@ -52,6 +52,9 @@ class Worker:
         self.ve_kv_caches: list[list[torch.Tensor]] = []
         self.ve_host_caches: list[list[torch.Tensor]] = []
         self.dtype = torch_dtype(config.model.dtype)
+        # kv_cache_dtype="fp8": e4m3 values (the attention scales them); else the model dtype
+        self.cache_dtype = (torch.float8_e4m3fn if config.cache.cache_dtype == "fp8"
+                            else self.dtype)
         self.device = self.select_device()
         self.model: nn.Module | None = None
         self.runner: ModelRunner | None = None
@@ -76,14 +79,14 @@ class Worker:
     def allocate_device_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One layer's zeroed KV cache on the device."""
         if self.device.type == "cpu":
-            return lazy_zeros(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return lazy_zeros(shape, self.cache_dtype)
+        return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
 
     def allocate_host_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One layer's host swap space (pinned where the backend asks for it)."""
         if self.backend.host_pin_memory():
-            return torch.zeros(shape, dtype=self.dtype, pin_memory=True)
-        return lazy_zeros(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.cache_dtype, pin_memory=True)
+        return lazy_zeros(shape, self.cache_dtype)
 
     def after_cache_init(self) -> None:
         """Called once the caches exist (e.g. to warm up or capture graphs)."""
@@ -135,7 +138,8 @@ class Worker:
                                      block_table=list(range(next_block, next_block + blocks)),
                                      sampling_params=params, num_samples=1, prompt_len=n))
             next_block += blocks
-        caches = [torch.zeros(self.kv_layer_shape(next_block), dtype=self.dtype, device=self.device)
+        caches = [torch.zeros(self.kv_layer_shape(next_block), dtype=self.cache_dtype,
+                              device=self.device)
                   for _ in range(self.num_layers)]
         assert self.runner is not None
         if self.pp.size > 1:  # every stage profiles at once: activations pass along the pipeline
@@ -151,7 +155,7 @@ class Worker:
                                             m.get_head_size())
 
     def block_bytes(self) -> int:
-        per_layer = math.prod(self.kv_layer_shape(1)) * torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = math.prod(self.kv_layer_shape(1)) * self.cache_dtype.itemsize
         return per_layer * self.num_layers * self.num_virtual_engines
 
     def determine_num_blocks(self) -> tuple[int, int]:

@@ -47,8 +47,17 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(probs, v)
 
 
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale rounded to e4m3 (saturating at +-448)."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 class TorchPagedAttention(AttentionImpl):
     name = "torch"
+    # kv_cache_dtype="fp8": per-tensor scales of the cached K and V (1.0 unless a checkpoint
+    # sets them)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
     supported_features = ("sliding_window", "logits_soft_cap")
 
     @staticmethod
@@ -65,14 +74,27 @@ class TorchPagedAttention(AttentionImpl):
         valid = slots >= 0
         if not bool(valid.all()):
             slots, key, value = slots[valid], key[valid], value[valid]
+        if kv_cache.dtype == torch.float8_e4m3fn:  # K / k_scale, V / v_scale as e4m3 bytes
+            kv_cache = kv_cache.view(torch.uint8)
+            key = to_fp8(key, self.k_scale).view(torch.uint8)
+            value = to_fp8(value, self.v_scale).view(torch.uint8)
         k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
         k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
         v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
 
+    def gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather_kv`` in ``dtype``; an fp8 cache's values times the k / v scales."""
+        if kv_cache.dtype != torch.float8_e4m3fn:
+            return gather_kv(kv_cache, block_tables)
+        k, v = gather_kv(kv_cache.view(torch.uint8), block_tables)
+        return (k.view(torch.float8_e4m3fn).to(dtype) * self.k_scale,
+                v.view(torch.float8_e4m3fn).to(dtype) * self.v_scale)
+
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
-        k, v = gather_kv(kv_cache, metadata.decode_block_tables)  # [B, kvH, L, D]
+        k, v = self.gather(kv_cache, metadata.decode_block_tables, query.dtype)  # [B, kvH, L, D]
         b, length = k.shape[0], k.shape[2]
         k_pos = torch.arange(length, device=query.device)[None, :]
         seq_lens = metadata.decode_seq_lens[:, None]
@@ -99,7 +121,7 @@ class TorchPagedAttention(AttentionImpl):
         q = query.new_zeros(p * qmax, self.num_heads, self.head_size)
         q.index_copy_(0, flat_idx, query)
         q = q.view(p, qmax, self.num_heads, self.head_size).transpose(1, 2)  # [P, H, Qmax, D]
-        k, v = gather_kv(kv_cache, metadata.prefill_block_tables)  # [P, kvH, L, D]
+        k, v = self.gather(kv_cache, metadata.prefill_block_tables, query.dtype)  # [P, kvH, L, D]
         length = k.shape[2]
         ctx = metadata.prefill_context_lens.long()[:, None, None]  # [P, 1, 1]
         q_pos = ctx + torch.arange(qmax, device=dev)[None, :, None]  # absolute query positions

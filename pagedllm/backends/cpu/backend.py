@@ -31,7 +31,8 @@ class CpuBackend(Backend):
                                 # model needs one the native kernels do not declare
                                 attention_features=("sliding_window", "logits_soft_cap"),
                                 dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True,
-                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"))
+                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
+                                kv_cache_dtypes=("auto", "fp8"))
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
 
@@ -43,8 +44,13 @@ class CpuBackend(Backend):
         """"native" (the default where its kernels build), "torch" (the reference) or "ipex".
 
         The default is "torch" for a model needing an attention feature (sliding window, soft
-        cap) the native kernels do not declare; an explicit choice lacking one is refused."""
-        choice = config.attention_backend or _default_attention()
+        cap) the native kernels do not declare; an explicit choice lacking one is refused.
+        kv_cache_dtype="fp8" runs the torch attention (the only one reading e4m3 caches)."""
+        fp8_cache = config.cache.cache_dtype == "fp8"
+        if fp8_cache and config.attention_backend not in (None, "torch"):
+            raise ValueError(f"attention_backend={config.attention_backend!r} does not support "
+                             f"kv_cache_dtype='fp8'; use attention_backend='torch' (or unset)")
+        choice = "torch" if fp8_cache else config.attention_backend or _default_attention()
         cls = self._attention_by_name(choice)
         needed = _features_needed(config)
         missing = cls.missing_features(needed)
