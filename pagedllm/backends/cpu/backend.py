@@ -98,6 +98,10 @@ class CpuBackend(Backend):
         ops.register("linear", cpu_ops.linear)
         quant_ops.register(ops)  # weight-only INT8 / INT4 kernels for quantized checkpoints
         ops.register("fused_moe", fused_moe_grouped)  # one sort by expert; bit-equal
+        from pagedllm.backends.cpu import bitmask
+
+        if bitmask.available():  # guided decoding's mask on xgrammar's C++ kernel
+            ops.register("apply_token_bitmask", bitmask.apply_token_bitmask)
         kernels = _cpu_kernels() if self.native_ops else None
         if kernels is None:
             return

@@ -93,11 +93,13 @@ class CudaBackend(Backend):
         (float32 keeps the torch reference, which matches transformers exactly). Without the
         kernels (attention_backend="torch", or they cannot be loaded) the torch references stay."""
         try:  # Triton ships with CUDA and ROCm torch builds; without it the sampler stays torch
+            from pagedllm.backends.cuda.triton_bitmask import apply_token_bitmask
             from pagedllm.backends.cuda.triton_sampling import greedy_logprobs
         except ImportError as exc:
             logger.warning("triton is unavailable (%s); greedy sampling runs torch ops", exc)
         else:
             ops.register("greedy_logprobs", greedy_logprobs)
+            ops.register("apply_token_bitmask", apply_token_bitmask)  # guided decoding
             from pagedllm.backends.cuda.triton_moe import fused_moe
 
             ops.register("fused_moe", fused_moe)  # grouped by expert
