@@ -7,12 +7,21 @@ import math
 from typing import Any
 
 import torch
-from test_hf_equality import MAX_TOKENS, MODES, prompts
+from test_hf_equality import MAX_TOKENS, prompts
+from test_hf_equality import MODES as _HF_MODES
 
 from pagedllm import LLM, SamplingParams
 
 __all__ = ["MODES", "assert_greedy_matches", "assert_sampled_logprobs_match", "hf_greedy",
            "prompts"]
+
+
+# test_hf_equality's modes plus both cache features at once (a chunked prefill over cached blocks)
+MODES: dict[str, dict[str, Any]] = {
+    **_HF_MODES,
+    "prefix_caching_chunked_prefill": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+                                           max_num_batched_tokens=16, max_num_seqs=4),
+}
 
 
 def hf_greedy(path: str, ps: list[list[int]]) -> list[list[int]]:
@@ -45,7 +54,7 @@ def assert_greedy_matches(path: str, mode: str, expected: list[list[int]],
     llm = LLM(path, device="cpu", dtype="float32", **MODES[mode], **engine_kwargs)
     try:
         assert _greedy(llm, prompts()) == expected
-        if mode == "prefix_caching":
+        if mode.startswith("prefix_caching"):
             hits = llm.llm_engine.block_manager.num_prefix_hit_blocks
             assert _greedy(llm, prompts()) == expected
             assert llm.llm_engine.block_manager.num_prefix_hit_blocks > hits
