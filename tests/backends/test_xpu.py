@@ -161,7 +161,7 @@ def hf_reference(checkpoint_factory):
     dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4),
     dict(num_gpu_blocks_override=12, max_model_len=128, preemption_mode="swap"),
 ], ids=["plain", "prefix_caching", "chunked_prefill", "preempt_swap"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "qwen3", "mixtral"])
 def test_greedy_matches_transformers_with_ipex(hf_reference, arch: str, mode: dict) -> None:
     from pagedllm import LLM
     from pagedllm.testing.e2e import engine_greedy, prompts
