@@ -37,15 +37,19 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 
 
 def rope_config(config: Any, layer_type: str) -> Any:
-    """A shallow copy of ``config`` whose rope parameters are those of ``layer_type`` (the form
-    RotaryEmbedding reads: one flat dict)."""
-    params = getattr(config, "rope_parameters", None)
+    """A shallow copy of ``config`` carrying only the rope settings of ``layer_type``, in the
+    form RotaryEmbedding reads. transformers 5: ``rope_parameters[layer_type]``; transformers 4:
+    ``rope_theta`` / ``rope_scaling`` on global layers, ``rope_local_base_freq`` (no scaling) on
+    sliding ones."""
     view = copy.copy(config)
-    if isinstance(params, dict) and layer_type in params:
+    local_base = getattr(config, "rope_local_base_freq", None)
+    params = getattr(config, "rope_parameters", None)
+    if local_base:
+        view.rope_parameters = None
+        if layer_type == "sliding_attention":
+            view.rope_theta, view.rope_scaling = local_base, None
+    elif isinstance(params, dict) and layer_type in params:
         view.rope_parameters = dict(params[layer_type])
-    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
-        view.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
-        view.rope_scaling = None
     return view
 
 

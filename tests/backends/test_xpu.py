@@ -139,6 +139,36 @@ def test_pad_slots_are_not_written() -> None:
     assert int((cache != 0).any(-1).sum()) == 2 * 5 * 2  # K and V of 5 tokens x 2 kv heads
 
 
+@needs_ipex
+@pytest.mark.parametrize("window, cap", [(4, None), (2, None), (None, 2.0), (100, None)])
+def test_ipex_window_and_soft_cap_match_reference(window: int | None, cap: float | None) -> None:
+    """IPEX's window arguments (decode: the window; prefill: window - 1 keys to the left) and its
+    soft cap, over prefills, cached context and decodes, against float64."""
+    from pagedllm.backends.cpu.ipex_attention import IpexPagedAttention
+
+    kwargs = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v}
+    impl = IpexPagedAttention(8, 64, 2, 0.125, **kwargs)
+    specs = [SeqSpec(0, 13), SeqSpec(9, 6), SeqSpec(20, 1), SeqSpec(3, 1)]
+    g = torch.Generator().manual_seed(1)
+    batch = PagedBatch.random(specs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                              dtype=torch.float32, device=CPU, generator=g)
+    cache = torch.zeros(impl.kv_cache_shape(batch.num_blocks, 16, 2, 64))
+    batch.write_context(impl, cache, CPU)
+    got = batch.run(impl, cache, CPU)
+    ref = batch.reference(impl.scale, sliding_window=window, soft_cap=cap)
+    assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5), (got.double() - ref).abs().max()
+
+
+@needs_ipex
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=1), dict(sliding_window=8,
+                                                                 logits_soft_cap=2.0)])
+def test_ipex_refuses_what_its_kernels_cannot_run(kwargs: dict) -> None:
+    from pagedllm.backends.cpu.ipex_attention import IpexPagedAttention
+
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        IpexPagedAttention(8, 64, 2, 0.125, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def hf_reference(checkpoint_factory):
     from pagedllm.testing.e2e import hf_greedy, prompts
@@ -172,3 +202,19 @@ def test_greedy_matches_transformers_with_ipex(hf_reference, arch: str, mode: di
     assert engine_greedy(llm, prompts(16)) == expected
     if "preemption_mode" in mode:
         assert llm.llm_engine.stats().num_preemptions > 0
+
+
+@needs_ipex
+@pytest.mark.parametrize("mode", [
+    dict(), dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+                 max_num_batched_tokens=16, max_num_seqs=4),
+], ids=["plain", "prefix_caching_chunked_prefill"])
+def test_gemma3_sliding_window_matches_transformers_with_ipex(hf_reference, mode: dict) -> None:
+    """Gemma 3: sliding layers (window 5, shorter than the prompts) between global ones."""
+    from pagedllm import LLM
+    from pagedllm.testing.e2e import engine_greedy, prompts
+
+    path, expected = hf_reference("gemma3")
+    llm = LLM(path, device="cpu", dtype="float32", attention_backend="ipex", **mode)
+    assert llm.llm_engine.executor.worker.attn_cls.name == "ipex"
+    assert engine_greedy(llm, prompts(16)) == expected

@@ -13,6 +13,11 @@ process), so ``_check_cache`` verifies shapes before any IPEX call.
 * prefill, with or without cached context: ``flash_attn_varlen_func`` over the paged cache
   (causal, aligned to the end of each sequence, so queries after cached context work).
 
+Both kernels take a sliding window and a soft cap (``softcap``; -1.0: off), with limits checked
+against a float64 reference (IPEX 2.8.0+cpu): decode's ``window_size`` counts the visible keys
+(the window), prefill's ``window_size_left`` the keys left of the query (window - 1, where 0 means
+off, so a window of 1 is refused); decode refuses a window and a soft cap together (Gemma 2).
+
 intel_extension_for_pytorch is imported when the first layer is built, never at import time.
 """
 from __future__ import annotations
@@ -52,10 +57,22 @@ def ipex_available() -> tuple[bool, str]:
 
 class IpexPagedAttention(AttentionImpl):
     name = "ipex"
+    supported_features = ("sliding_window", "logits_soft_cap")
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 **features: Any) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale, **features)
         self._ops = ipex_paged_attention()
+        window, cap = self.sliding_window, self.logits_soft_cap
+        if window is not None and (window < 2 or cap is not None):
+            raise ValueError(f"the ipex attention cannot run sliding_window={window} "
+                             f"{'with logits_soft_cap=' + str(cap) if cap is not None else ''} "
+                             "(IPEX takes windows >= 2, and no soft cap with a window); use "
+                             "attention_backend='torch'")
+        # IPEX's arguments (-1: off): decode's visible keys, prefill's keys left of the query
+        self._window = -1 if window is None else window
+        self._window_left = -1 if window is None else window - 1
+        self._softcap = -1.0 if cap is None else float(cap)
         # query head h reads kv head h // (num_heads / num_kv_heads)
         self._head_mapping = torch.arange(num_kv_heads, dtype=torch.int32).repeat_interleave(
             num_heads // num_kv_heads)
@@ -97,7 +114,8 @@ class IpexPagedAttention(AttentionImpl):
             self._head_mapping.to(query.device), self.scale,
             metadata.decode_block_tables.int().contiguous(),
             metadata.decode_seq_lens.int().contiguous(), metadata.block_size,
-            metadata.max_decode_seq_len, None)
+            metadata.max_decode_seq_len, None, window_size=self._window,
+            softcap=self._softcap)
         return out
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -113,5 +131,6 @@ class IpexPagedAttention(AttentionImpl):
             out, query.contiguous(), kv_cache[0], kv_cache[1],
             metadata.query_start_loc.int().contiguous(), cu_kv,
             metadata.max_prefill_query_len, metadata.max_prefill_seq_len, self.scale, True,
-            metadata.prefill_block_tables.int().contiguous(), None)
+            metadata.prefill_block_tables.int().contiguous(), None,
+            window_size_left=self._window_left, softcap=self._softcap)
         return out

@@ -31,7 +31,10 @@ class XpuBackend(Backend):
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float16", "float32"),
-                                preferred_block_size=16, block_sizes=(16, 32, 64))
+                                preferred_block_size=16, block_sizes=(16, 32, 64),
+                                # IPEX's kernels run windows; a soft cap only without a window
+                                # (so Gemma 2, which has both, is refused): ipex_attention.py
+                                attention_features=("sliding_window",))
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
