@@ -1,6 +1,7 @@
-"""Is the pipeline kept full? PP=2 on the cpu (one worker process per stage, gloo) with the
-virtual engines keeping two batches in flight, against a naive pipeline (one batch in all the
-stages at a time) in the same run, on the same engine, the same requests and the same batches.
+"""Is the pipeline kept full? PP=2 on the cpu (one worker process per stage, gloo; or with
+--device cuda, one GPU per stage, NCCL) with the virtual engines keeping two batches in flight,
+against a naive pipeline (one batch in all the stages at a time) in the same run, on the same
+engine, the same requests and the same batches.
 
     python benchmarks/pp_timeline.py [--model PATH] [--num-prompts 16] [--input-len 32] \\
         [--output-len 64] [--repeats 3] [--trace pp_trace.json] [--json results.json]
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="a backend that declares pipeline "
+                        "parallelism (cpu, cuda: one device per stage)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=2)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3,
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     from pagedllm import LLM, SamplingParams
 
     model = args.model or default_model()
-    llm = LLM(model, device="cpu", dtype=args.dtype,
+    llm = LLM(model, device=args.device, dtype=args.dtype,
               pipeline_parallel_size=args.pipeline_parallel_size,
               tensor_parallel_size=args.tensor_parallel_size)
     rng = random.Random(0)

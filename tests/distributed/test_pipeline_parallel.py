@@ -119,22 +119,24 @@ def test_stage_holds_only_its_layers(arch: str, checkpoint_factory, monkeypatch)
 
 
 # --- equality with the single-process engine -------------------------------------------------
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2xtp2"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_pp2_matches_pp1(arch: str, checkpoint_factory, tp1_tokens) -> None:
+def test_pp2_matches_pp1(arch: str, tp: int, checkpoint_factory, tp1_tokens) -> None:
     expected = tp1_tokens(arch, {})
-    llm = LLM(checkpoint_factory(arch), device="cpu", dtype="float32", pipeline_parallel_size=2)
+    llm = LLM(checkpoint_factory(arch), device="cpu", dtype="float32", pipeline_parallel_size=2,
+              tensor_parallel_size=tp)
     engine = llm.llm_engine
     workers = [w.process for w in engine.executor.workers]
     try:
         assert engine.config.parallel.distributed_executor_backend == "mp"
-        assert len(engine.schedulers) == 2
+        assert len(engine.schedulers) == 2 and len(workers) == 2 * tp
         assert greedy(llm) == expected
-        # every stage ran every step (its own steps' spans, for benchmarks/pp_timeline.py)
-        first, last = engine.executor.stage_timelines()
-        # the 3 requests split over the 2 virtual engines: each runs its own 8 steps (+ the
-        # cpu worker's warm-up step)
-        assert len(first) == len(last) == 2 * MAX_TOKENS + 1
-        assert all(a <= b for a, b in first + last)
+        # every rank ran every step (its own steps' spans, for benchmarks/pp_timeline.py): the
+        # 3 requests split over the 2 virtual engines, each runs its own 8 steps (+ the cpu
+        # worker's warm-up step)
+        timelines = engine.executor.stage_timelines()
+        assert [len(t) for t in timelines] == [2 * MAX_TOKENS + 1] * (2 * tp)
+        assert all(a <= b for t in timelines for a, b in t)
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in workers)
