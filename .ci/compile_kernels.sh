@@ -119,7 +119,7 @@ export NVCC OUT
 
 # Largest sources first so that the long hipcc job overlaps the nvcc jobs.
 {
-  for src in $(ls -S "$CSRC"/*.cu); do
+  for src in $(ls -S "$CSRC"/*.cu "$CSRC"/quantization/*.cu); do
     if [[ $HAVE_HIPCC == 1 ]]; then echo "hipcc $(IFS=,; echo "${HIP_ARCHS[*]}") $src"; fi
     if [[ $HAVE_CLANG19 == 1 ]]; then echo "clang19 gfx942 $src"; fi
     if [[ $HAVE_NVCC == 1 ]]; then
@@ -130,7 +130,7 @@ export NVCC OUT
 } | xargs -P "$JOBS" -L 1 bash -c 'run_job "$@"' _
 
 STATUS=0
-NUM_SOURCES=$(ls "$CSRC"/*.cu | wc -l)
+NUM_SOURCES=$(ls "$CSRC"/*.cu "$CSRC"/quantization/*.cu | wc -l)
 summary() {  # compiler, label
   local compiler=$1 label=$2 n=0 failed=0 secs=0
   for r in "$OUT"/"$compiler"-*.result; do

@@ -27,7 +27,9 @@ class CudaBackend(Backend):
                                 preferred_block_size=16, block_sizes=(16, 32), async_output=True,
                                 pipeline_parallel=True,
                                 # the decode kernel and the Triton prefill (and the torch path)
-                                attention_features=("sliding_window", "logits_soft_cap"))
+                                attention_features=("sliding_window", "logits_soft_cap"),
+                                # FP8 on torch._scaled_mm, the rest the reference (quant_ops.py)
+                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"))
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32
@@ -92,6 +94,9 @@ class CudaBackend(Backend):
         silu_and_mul on the csrc/ layer kernels for float16/bfloat16
         (float32 keeps the torch reference, which matches transformers exactly). Without the
         kernels (attention_backend="torch", or they cannot be loaded) the torch references stay."""
+        from pagedllm.backends.cuda import quant_ops
+
+        quant_ops.register(ops)  # quantized linears: FP8 on torch._scaled_mm
         try:  # Triton ships with CUDA and ROCm torch builds; without it the sampler stays torch
             from pagedllm.backends.cuda.triton_bitmask import apply_token_bitmask
             from pagedllm.backends.cuda.triton_sampling import greedy_logprobs

@@ -1,0 +1,81 @@
+"""Quantized linears on cuda/rocm.
+
+FP8 weights (compressed-tensors FP8, ``quantization="fp8"``) run ``torch._scaled_mm``: the
+activations are quantized to e4m3 per token on the fly (as vLLM's fp8 linear does; for the W8A8
+checkpoints that is the checkpoint's own scheme), the weight keeps its per-channel scales, the
+product accumulates in float32 and is scaled and rounded to the model dtype once. Where
+``_scaled_mm`` does not run (a GPU without FP8 tensor cores, or shapes not multiples of 16) the
+reference dequantize-and-multiply stays.
+
+4-bit layouts get their GPU layout here (``int4_gpu_layout``, what csrc/quantization's GEMV and
+GEMM read); the extension binding of those kernels is not wired yet, so they run the reference.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.models.layers.quantization.base import FP8_MAX, pack_int32
+from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
+
+logger = logging.getLogger(__name__)
+
+
+def int4_gpu_layout(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A canonical 4-bit linear (codes [N, K] in column order) -> csrc/quantization's layout:
+    (qweight int32 [N, K / 8] holding input 8 w + j in bits [4 j, 4 j + 4) of word w,
+    scales float32 [N, G], offsets float32 [N, G] = -zero * scale)."""
+    q = layer.quant
+    if q.g_idx is not None or not q.group_size:
+        raise ValueError("the int4 kernels take groups in column order (no act-order g_idx)")
+    qweight = pack_int32(layer.weight.to(torch.int64), 4, dim=1).contiguous()
+    scales = q.scale.float().contiguous()
+    offsets = (-q.zero.float() * scales).contiguous()
+    return qweight, scales, offsets
+
+
+def _fp8_route_ok(layer: nn.Module) -> bool:
+    w = layer.weight
+    if w.dtype != torch.float8_e4m3fn or not w.is_cuda or not hasattr(torch, "_scaled_mm"):
+        return False
+    n, k = w.shape
+    if n % 16 or k % 16:
+        return False
+    try:  # FP8 tensor cores (sm_89+, MI300): a tiny product
+        a = torch.zeros(16, 16, device=w.device, dtype=torch.float8_e4m3fn)
+        one = torch.ones(16, 1, device=w.device)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError) as exc:
+        logger.info("torch._scaled_mm does not run here (%s); FP8 linears run the reference", exc)
+        return False
+
+
+def quant_linear_prepare(layer: nn.Module) -> None:
+    layer.cuda_fp8 = _fp8_route_ok(layer)
+    if layer.cuda_fp8:
+        layer.cuda_fp8_scale = layer.quant.scale.float().reshape(1, -1).contiguous()  # [1, N]
+
+
+def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x [T, in] -> [T, out] in x's dtype."""
+    if not getattr(layer, "cuda_fp8", False):
+        return reference_quant_linear(x, layer)
+    x2 = x.reshape(-1, x.shape[-1])
+    scale_x = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
+    xq = (x2.float() / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    y = torch._scaled_mm(xq, layer.weight.t(), scale_a=scale_x, scale_b=layer.cuda_fp8_scale,
+                         out_dtype=out_dtype)
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def register(ops: Any) -> None:
+    ops.register("quant_linear", quant_linear)
+    ops.register("quant_linear_prepare", quant_linear_prepare)
