@@ -107,4 +107,11 @@ def verify_pipeline_parallel(config: EngineConfig, backend: Backend) -> None:
                          f"support pipeline parallelism (Capabilities.pipeline_parallel); "
                          f"backends that do: {', '.join(able) or 'none installed'}; or use "
                          f"pipeline_parallel_size=1")
+    from pagedllm.models.registry import model_class, resolve_architecture
+
+    arch = resolve_architecture(config.model.hf_config)
+    if not hasattr(model_class(arch), "make_empty_intermediate_tensors"):
+        raise ValueError(f"pipeline_parallel_size={pp}: {arch} does not run as pipeline stages "
+                         f"yet (its model builds its layers without models/layers/pipeline.py's "
+                         f"make_layers); use pipeline_parallel_size=1")
     partition_layers(config.model.get_num_layers(), pp)  # raises naming the problem

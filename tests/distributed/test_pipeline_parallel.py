@@ -72,6 +72,18 @@ def test_backend_without_pipeline_support_is_refused(checkpoint_factory) -> None
         verify_pipeline_parallel(config, backend)
 
 
+def test_model_without_stages_is_refused(checkpoint_factory, monkeypatch) -> None:
+    """An architecture whose model class builds all its layers (no make_layers) is refused."""
+    from pagedllm.backends.registry import resolve_backend
+    from pagedllm.models import registry
+
+    monkeypatch.setattr(registry, "model_class", lambda arch: type("Unstaged", (), {}))
+    config = EngineArgs(model=checkpoint_factory("llama"), device="cpu",
+                        pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not run as pipeline stages"):
+        verify_pipeline_parallel(config, resolve_backend("cpu"))
+
+
 def test_bad_sizes_are_refused_before_spawning(checkpoint_factory) -> None:
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="pipeline_parallel_size=0 is invalid"):
