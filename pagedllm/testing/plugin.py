@@ -126,14 +126,17 @@ def _check_backend(config: pytest.Config) -> None:
     cov = config.stash[_COVERAGE]
     cov.backend, cov.source = name, info.source
     cov.info = _backend_facts(info.cls)
+    cov.info["backend_plugin_api_version"] = info.extra.get("plugin_api_version")
     tested = block_sizes_to_test(caps.block_sizes, caps.preferred_block_size)
     from pagedllm.config import ATTENTION_BACKEND_ENV
 
     attention = os.environ.get(ATTENTION_BACKEND_ENV) or "default"
     cov.header = (f"backend {name!r} from {info.source}; torch device {info.cls.torch_device!r}; "
-                  f"attention {attention}; dtypes {', '.join(caps.dtypes)}; block sizes tested "
-                  f"{', '.join(map(str, tested))}; declares "
-                  f"{', '.join(declared) or 'no optional capability'}")
+                  f"attention {attention}; plugin API "
+                  f"{info.extra.get('plugin_api_version') or 'not stated'}; dtypes "
+                  f"{', '.join(caps.dtypes)}; block sizes {', '.join(map(str, caps.block_sizes))}"
+                  f" (all in the sweep; {', '.join(map(str, tested))} in the other checks); "
+                  f"declares {', '.join(declared) or 'no optional capability'}")
 
 
 # --- collection ----------------------------------------------------------------------------
