@@ -95,3 +95,16 @@ def test_llama_checkpoint_with_rope_scaling(name: str, tmp_path) -> None:
     expected = hf_greedy(path, prompts())
     assert_greedy_matches(path, "plain", expected)
     assert_greedy_matches(path, "chunked_prefill", expected)
+
+
+def test_sequence_lengths_from_tensors_without_host_lists() -> None:
+    """Metadata whose host-side lists are empty (a backend that only fills the tensors): the
+    lengths come from query_start_loc / prefill_seq_lens / decode_seq_lens instead."""
+    from pagedllm.models.layers.rotary import step_seq_lens
+
+    meta = types.SimpleNamespace(
+        num_prefills=2, num_decode_tokens=1, prefill_seq_lens_list=[], prefill_query_lens_list=[],
+        decode_seq_lens_list=[], prefill_seq_lens=torch.tensor([40, 3]),
+        query_start_loc=torch.tensor([0, 2, 5]), decode_seq_lens=torch.tensor([90]))
+    positions = torch.tensor([38, 39, 0, 1, 2, 89, 0])  # the last row is bucket padding
+    assert step_seq_lens(positions, meta).tolist() == [40, 40, 3, 3, 3, 90, 1]

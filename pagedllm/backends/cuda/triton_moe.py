@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.models.layers.moe_ops import select_experts
+from pagedllm.models.layers.moe_ops import check_shapes, select_experts
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -93,9 +93,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pair_ids: torch
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
     """The ops-registry ``fused_moe`` (moe_ops.py's signature and routing)."""
-    from pagedllm.models.layers.moe_ops import _check
-
-    _check(hidden, w13, w2, gating_output, topk)
+    check_shapes(hidden, w13, w2, gating_output, topk)
     t, h = hidden.shape
     if t == 0:
         return torch.zeros_like(hidden)

@@ -34,7 +34,7 @@ def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return F.linear(h, w2) * weight[:, None]
 
 
-def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def check_shapes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
            gating_output: torch.Tensor, topk: int) -> None:
     e, two_i, h = w13.shape
     if (w2.shape != (e, h, two_i // 2) or hidden.shape[-1] != h
@@ -48,7 +48,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
     """Reference: for each expert in order, the rows routed to it (slot-major, like
     transformers' expert loop), their output times the routing weight added into the result."""
-    _check(hidden, w13, w2, gating_output, topk)
+    check_shapes(hidden, w13, w2, gating_output, topk)
     weights, ids = select_experts(gating_output, topk, renormalize)
     out = torch.zeros_like(hidden)
     for e in range(w13.shape[0]):
@@ -75,7 +75,7 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
     """The cpu path: one sort and one gather instead of a mask scan per expert; the experts
     that no token picked cost nothing. Same rows, order and arithmetic as ``fused_moe``."""
-    _check(hidden, w13, w2, gating_output, topk)
+    check_shapes(hidden, w13, w2, gating_output, topk)
     weights, ids = select_experts(gating_output, topk, renormalize)
     tok, slot, counts = group_by_expert(ids, w13.shape[0])
     x = hidden[tok]  # [T * topk, H], grouped by expert

@@ -87,10 +87,17 @@ def step_seq_lens(positions: torch.Tensor, metadata: AttentionMetadata | None) -
         return lens
     parts = []
     if metadata.num_prefills:
-        seq = torch.tensor(metadata.prefill_seq_lens_list, dtype=torch.int64)
-        parts.append(seq.repeat_interleave(torch.tensor(metadata.prefill_query_lens_list)))
+        seq, query = metadata.prefill_seq_lens_list, metadata.prefill_query_lens_list
+        if len(seq) != metadata.num_prefills or len(query) != metadata.num_prefills:
+            seq = metadata.prefill_seq_lens.tolist()  # no host copies: read the tensors
+            starts = metadata.query_start_loc.tolist()
+            query = [b - a for a, b in zip(starts, starts[1:])]
+        parts.append(torch.tensor(seq, dtype=torch.int64).repeat_interleave(torch.tensor(query)))
     if metadata.num_decode_tokens:
-        parts.append(torch.tensor(metadata.decode_seq_lens_list, dtype=torch.int64))
+        dec = metadata.decode_seq_lens_list
+        if len(dec) != metadata.num_decode_tokens:
+            dec = metadata.decode_seq_lens.tolist()
+        parts.append(torch.tensor(dec, dtype=torch.int64))
     if parts:
         known = torch.cat(parts).to(positions.device)
         lens[: known.shape[0]] = torch.maximum(known, lens[: known.shape[0]])
