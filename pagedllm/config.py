@@ -173,7 +173,12 @@ class EngineConfig:
     attention_backend: str | None = None  # a backend-specific attention implementation name
     # schedule step N+1 while step N runs (backends with capabilities.async_output); True = never
     disable_async_output_proc: bool = False
+    # the grammar engine for guided decoding (engine/guided); vLLM's name
+    guided_decoding_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
+        if self.guided_decoding_backend not in ("xgrammar", "auto"):
+            raise ValueError(f"guided_decoding_backend={self.guided_decoding_backend!r} is "
+                             f"invalid: allowed: xgrammar, auto")
         if self.attention_backend is None:  # unset: $PAGEDLLM_ATTENTION_BACKEND, else the default
             self.attention_backend = os.environ.get(ATTENTION_BACKEND_ENV, "").strip() or None

@@ -85,6 +85,10 @@ class EngineArgs:
     disable_async_output_proc: bool = field(default=False, metadata={
         "help": "Wait for each step's tokens before scheduling the next (cuda/rocm launch step "
                 "N+1 while step N runs by default)."})
+    guided_decoding_backend: str = field(default="xgrammar", metadata={
+        "help": "Grammar engine for structured output (response_format, guided_*, required and "
+                "named tool calls); auto picks xgrammar.",
+        "choices": ("xgrammar", "auto")})
     quantization: str | None = field(default=None, metadata={
         "help": "Weight quantization method; default: the checkpoint's quantization_config. "
                 "A method given must match the checkpoint's; fp8 quantizes a float checkpoint's "
@@ -135,7 +139,8 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel,
                             device=self.device, enforce_eager=self.enforce_eager,
                             attention_backend=self.attention_backend,
-                            disable_async_output_proc=self.disable_async_output_proc)
+                            disable_async_output_proc=self.disable_async_output_proc,
+                            guided_decoding_backend=self.guided_decoding_backend)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,154 @@
+"""Guided decoding cost: offline throughput with a JSON schema on every request vs the same
+workload unconstrained, and time to first token with a never-seen schema (issue 33).
+
+    python benchmarks/guided.py [--model PATH] --num-prompts 64 --output-len 64 \\
+        --backend pagedllm,vllm [--vllm-python /work/venvs/vllm/bin/python] [--repeats 3]
+
+Each engine runs in its own subprocess (this file with --worker). The schema (an object holding
+an array of at least 64 bounded strings) cannot complete within --output-len tokens, so guided
+and unconstrained requests produce the same number of tokens (sampled, temperature 1, seeded).
+TTFT is the wall time of a one-token request on the idle, warmed-up engine; "cold" gives the
+request a schema the engine has not seen (a fresh grammar to compile), "plain" none.
+Target: guided throughput >= 85% of unconstrained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("guided")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO = REPO_ROOT / "pagedllm" / "models" / "demo_model"
+
+
+def workload_schema(tag: str = "items") -> dict[str, Any]:
+    return {"type": "object", "properties": {tag: {
+        "type": "array", "minItems": 64, "maxItems": 64,
+        "items": {"type": "string", "minLength": 3, "maxLength": 12}}},
+        "required": [tag], "additionalProperties": False}
+
+
+# --- the worker (one engine in this process) ------------------------------------------------
+def _guided_params(schema: dict[str, Any], api: str) -> dict[str, Any]:
+    """SamplingParams keywords constraining to ``schema`` in this engine's API."""
+    if api == "pagedllm":
+        from pagedllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(json=schema)}
+    try:  # vLLM >= 0.10: structured_outputs
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(json=schema)}
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams as VllmGuided
+
+        return {"guided_decoding": VllmGuided(json=schema)}
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    api = spec["backend"]
+    if api == "pagedllm":
+        from pagedllm import LLM, SamplingParams
+
+        kw: dict[str, Any] = {"device": spec["device"], "kv_cache_space_gib": 2}
+    else:
+        from vllm import LLM, SamplingParams
+
+        kw = {}
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, max_num_seqs=256, **kw)
+    load_s = time.perf_counter() - start
+    prompts = [f"Item {i}: describe it as JSON." for i in range(spec["num_prompts"])]
+
+    def params(i: int, guided: dict[str, Any] | None, max_tokens: int) -> Any:
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, **(guided or {}))
+
+    def run(guided: dict[str, Any] | None) -> tuple[float, int]:
+        ps = [params(i, guided, spec["output_len"]) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    guided = _guided_params(workload_schema(), api)
+    run(None), run(guided)  # warm-up (and the workload schema compiled once, as a server would)
+    result: dict[str, Any] = {"backend": api, "load_s": load_s, "plain": [], "guided": []}
+    for _ in range(spec["repeats"]):
+        for mode, g in (("plain", None), ("guided", guided)):
+            elapsed, tokens = run(g)
+            result[mode].append({"elapsed_s": elapsed, "tokens": tokens,
+                                 "tok_s": tokens / elapsed})
+    for mode in ("ttft_plain", "ttft_cold"):
+        times = []
+        for _ in range(spec["repeats"]):
+            g = (_guided_params(workload_schema("k" + uuid.uuid4().hex[:8]), api)
+                 if mode == "ttft_cold" else None)
+            t0 = time.perf_counter()
+            llm.generate([prompts[0]], [params(0, g, 1)], use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        result[mode] = times
+    return result
+
+
+# --- the driver -----------------------------------------------------------------------------
+def run_engine(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    python = args.vllm_python if backend == "vllm" else sys.executable
+    spec = {"backend": backend, "model": args.model, "dtype": args.dtype, "device": args.device,
+            "num_prompts": args.num_prompts, "output_len": args.output_len,
+            "repeats": args.repeats}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.run([python, __file__, "--worker", str(spec_path), str(out_path)],
+                              env=env, cwd=REPO_ROOT)
+        if proc.returncode != 0 or not out_path.exists():
+            return {"backend": backend, "error": f"exit code {proc.returncode}"}
+        return json.loads(out_path.read_text())
+
+
+def summarize(r: dict[str, Any]) -> dict[str, Any]:
+    if "error" in r:
+        return r
+    plain = statistics.median(x["tok_s"] for x in r["plain"])
+    guided = statistics.median(x["tok_s"] for x in r["guided"])
+    return {"backend": r["backend"], "plain_tok_s": round(plain, 1),
+            "guided_tok_s": round(guided, 1), "guided_over_plain": round(guided / plain, 3),
+            "ttft_plain_ms": round(1e3 * statistics.median(r["ttft_plain"]), 1),
+            "ttft_cold_schema_ms": round(1e3 * statistics.median(r["ttft_cold"]), 1)}
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(worker(spec)))
+        return
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEMO))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backend", default="pagedllm",
+                   help="comma-separated: pagedllm, vllm (vLLM runs under --vllm-python)")
+    p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON",
+                                                           sys.executable))
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
+        logger.info("%s", json.dumps(summarize(run_engine(backend, args))))
+
+
+if __name__ == "__main__":
+    main()
