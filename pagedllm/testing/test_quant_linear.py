@@ -1,0 +1,51 @@
+"""Quantized linears (``quant_linear`` as the backend registers it) against a float64
+dequantized reference, for every method the backend declares in ``Capabilities.quantizations``
+and every layout that method's checkpoints produce (models/layers/quantization/synthetic.py).
+
+Tolerance: float32 accumulation plus one rounding to the dtype (the model-ops tolerance), and
+for FP8 activations one e4m3 step (2^-4 relative) per product, since a kernel may round a value
+near a boundary the other way than the reference's per-token quantization."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.backends.interface import Backend
+from pagedllm.models.layers.ops import Ops
+from pagedllm.models.layers.quantization.base import ACT_FP8_PER_TOKEN
+from pagedllm.models.layers.quantization.reference import dequantize_weight, fp8_per_token
+from pagedllm.models.layers.quantization.synthetic import LAYOUTS, SyntheticLinear
+from pagedllm.testing.harness import tolerance, torch_dtype
+
+AREA = "quantized linears"
+CASES = [(method, name) for method, layouts in LAYOUTS.items() for name in layouts]
+
+
+@pytest.mark.parametrize("method, layout", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+@pytest.mark.parametrize("rows", [1, 19])
+def test_quant_linear(method: str, layout: str, rows: int, conformance_backend: Backend,
+                      conformance_dtype: str, conformance_device: torch.device,
+                      conformance_rng: torch.Generator) -> None:
+    if method not in conformance_backend.capabilities.quantizations:
+        pytest.skip(f"{method} not declared by {conformance_backend.name}")
+    dt, dev = torch_dtype(conformance_dtype), conformance_device
+    spec = LAYOUTS[method][layout]
+    layer = SyntheticLinear(spec, 96, 256, dt, dev, seed=rows)
+    w64 = dequantize_weight(layer, torch.float64).cpu()
+    ops = Ops()
+    conformance_backend.register_ops(ops)
+    ops.quant_linear_prepare(layer)
+    x = torch.randn(rows, 256, generator=conformance_rng).to(dt)
+    got = ops.quant_linear(x.to(dev), layer)
+    assert got.dtype == dt and got.shape == (rows, 96), f"{got.dtype} {tuple(got.shape)}"
+    got = got.cpu().double()
+    xr = fp8_per_token(x.float()).double() if spec[-1] == ACT_FP8_PER_TOKEN else x.double()
+    ref = xr @ w64.t()
+    mag = xr.abs() @ w64.abs().t()
+    tol = tolerance(conformance_dtype)
+    bound = tol["rtol"] * 4 * ref.abs() + 64 * 2.0 ** -23 * mag + tol["atol"]
+    if spec[-1] == ACT_FP8_PER_TOKEN:
+        bound = bound + 2.0 ** -4 * mag
+    err = (got - ref).abs()
+    assert torch.isfinite(got).all(), "non-finite output"
+    assert (err <= bound).all(), f"max |error| {err.max().item():.3g} vs float64 reference"
