@@ -21,10 +21,21 @@ class BlockManager:
     shared by reference count: between the sequences of one request after a fork (copy-on-write on
     the first write into a shared block) and, with prefix caching, between requests whose prompts
     start with the same full blocks (hash chain over the token ids of each full block).
+
+    With ``sliding_window`` (every attention layer of the model sees only the last ``window``
+    positions), blocks that have slid out of the window for every query still to come are freed
+    early: the first ``_dropped[seq_id]`` entries of a table are then placeholders that repeat
+    the first live block (the attention masks those positions and never reads them as keys, but
+    the tables stay valid indices), and only the live tail is freed, swapped, forked or offered
+    to the prefix cache (a freed cached block stays cached: other prompts can still hit it).
     """
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0,
-                 watermark: float = 0.01, enable_caching: bool = False) -> None:
+                 watermark: float = 0.01, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
@@ -39,6 +50,11 @@ class BlockManager:
         # seq_id -> how many leading blocks have been offered to the cache
         self._registered: dict[int, int] = {}
         self.num_prefix_hit_blocks = 0  # cumulative, for stats and tests
+        # sliding window: seq_id -> leading placeholder entries of its table, and the first query
+        # position of its last scheduled step (a step may still run while the next is scheduled)
+        self._dropped: dict[int, int] = {}
+        self._prev_q0: dict[int, int] = {}
+        self.num_slid_out_blocks = 0  # cumulative blocks freed early, for stats and tests
 
     # --- content keys (prefix caching) ---------------------------------------------------
     def _block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
@@ -83,7 +99,8 @@ class BlockManager:
             return
         # a step scheduled ahead counts its pending token as computed before it is appended
         n_full = min(min(seq.num_computed_tokens, len(seq)) // self.block_size, len(table))
-        start = self._registered.get(seq.seq_id, 0)
+        # placeholders (slid out of the window) are not the blocks their keys name
+        start = max(self._registered.get(seq.seq_id, 0), self._dropped.get(seq.seq_id, 0))
         if n_full <= start:
             return
         keys = self._block_keys(seq, n_full)
@@ -118,6 +135,7 @@ class BlockManager:
         table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self._registered[seq.seq_id] = len(hits)
+        self._prev_q0[seq.seq_id] = seq.num_computed_tokens
         self.block_tables[seq.seq_id] = table
         self._grow(table, seq.num_computed_tokens + num_new_tokens)
 
@@ -150,26 +168,57 @@ class BlockManager:
             copies.append((src, dst))
             self._registered[seq.seq_id] = min(self._registered.get(seq.seq_id, 0), first)
         self._grow(table, seq.num_computed_tokens + num_new_tokens)
+        self._slide(seq)
         return copies
+
+    def _slide(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq`` that no query still to come (or still in flight) can see.
+
+        The queries of this step start at q = num_computed_tokens, those of the step before (it
+        may still run: Scheduler.schedule_ahead) at the recorded q_prev <= q. A query at p sees
+        positions > p - window, so block i (last position (i + 1) * bs - 1) is out of sight of
+        every such query iff (i + 1) * bs - 1 <= q_prev - window. At least the last block stays.
+        """
+        q_prev = self._prev_q0.get(seq.seq_id, 0)
+        self._prev_q0[seq.seq_id] = seq.num_computed_tokens
+        if self.sliding_window is None:
+            return
+        table = self.block_tables[seq.seq_id]
+        out = min(max(0, (q_prev - self.sliding_window + 1) // self.block_size), len(table) - 1)
+        start = self._dropped.get(seq.seq_id, 0)
+        if out <= start:
+            return
+        for i in range(out - 1, start - 1, -1):  # later blocks first (LRU order, as free())
+            self.device.free(table[i])
+        self.num_slid_out_blocks += out - start
+        table[:out] = [table[out]] * out
+        self._dropped[seq.seq_id] = out
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.block_tables[parent.seq_id]
-        for block in table:
+        dropped = self._dropped.get(parent.seq_id, 0)
+        for block in table[dropped:]:
             self.device.incref(block)
         self.block_tables[child.seq_id] = list(table)
+        if dropped:
+            self._dropped[child.seq_id] = dropped
+        if parent.seq_id in self._prev_q0:
+            self._prev_q0[child.seq_id] = self._prev_q0[parent.seq_id]
         self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
         self._registered[child.seq_id] = self._registered.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of ``seq`` (device and host); a no-op for a sequence with none."""
         table = self.block_tables.pop(seq.seq_id, None)
+        dropped = self._dropped.pop(seq.seq_id, 0)
+        self._prev_q0.pop(seq.seq_id, None)
         if table is not None:
             # last blocks first, so the LRU evicts a chain's tail before its head
-            for block in reversed(table):
+            for block in reversed(table[dropped:]):
                 self.device.free(block)
         host = self.host_tables.pop(seq.seq_id, None)
         if host is not None:
-            for block in reversed(host):
+            for block in reversed(host[dropped:]):
                 self.host.free(block)
         self._keys.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
@@ -181,13 +230,14 @@ class BlockManager:
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        blocks = self._unique(self.block_tables[s.seq_id] for s in seqs)
+        blocks = self._unique(self.block_tables[s.seq_id][self._dropped.get(s.seq_id, 0):]
+                              for s in seqs)
         return len(blocks) <= self.host.num_available
 
     def swap_out(self, group: SequenceGroup) -> list[BlockPair]:
         """Move the running sequences of ``group`` to host blocks; returns (device, host) pairs."""
         return self._move(group.get_seqs(SequenceStatus.RUNNING), self.block_tables, self.device,
-                          self.host_tables, self.host)
+                          self.host_tables, self.host, self._dropped)
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
@@ -199,31 +249,37 @@ class BlockManager:
     def swap_in(self, group: SequenceGroup) -> list[BlockPair]:
         """Move the swapped sequences of ``group`` back to device blocks; (host, device) pairs."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
-        pairs = self._move(seqs, self.host_tables, self.host, self.block_tables, self.device)
+        pairs = self._move(seqs, self.host_tables, self.host, self.block_tables, self.device,
+                           self._dropped)
         for seq in seqs:
             self._registered[seq.seq_id] = 0  # fresh blocks: offer them to the cache again
         return pairs
 
     @staticmethod
     def _move(seqs: list[Sequence], src_tables: dict[int, list[int]], src: BlockAllocator,
-              dst_tables: dict[int, list[int]], dst: BlockAllocator) -> list[BlockPair]:
+              dst_tables: dict[int, list[int]], dst: BlockAllocator,
+              dropped: dict[int, int]) -> list[BlockPair]:
+        """Moves the live blocks; the ``dropped`` leading placeholders are rebuilt on the
+        destination side (repeating the first moved block)."""
         mapping: dict[int, int] = {}
         for seq in seqs:
             new_table = []
-            for block in src_tables.pop(seq.seq_id):
+            skip = dropped.get(seq.seq_id, 0)
+            for block in src_tables.pop(seq.seq_id)[skip:]:
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
                     mapping[block] = dst.allocate()
                 new_table.append(mapping[block])
                 src.free(block)
-            dst_tables[seq.seq_id] = new_table
+            dst_tables[seq.seq_id] = [new_table[0]] * skip + new_table if skip else new_table
         return list(mapping.items())
 
     # --- bookkeeping ---------------------------------------------------------------------
     def num_tracked_seqs(self) -> int:
         """Sequences with any state here; 0 once every request has finished."""
-        ids = set(self.block_tables) | set(self.host_tables) | set(self._keys) | set(self._registered)
+        ids = (set(self.block_tables) | set(self.host_tables) | set(self._keys)
+               | set(self._registered) | set(self._dropped) | set(self._prev_q0))
         return len(ids)
 
     def usage(self) -> float:

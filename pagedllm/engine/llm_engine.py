@@ -19,6 +19,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.engine.virtual_engines import VirtualEngines
 from pagedllm.executor.base import make_executor
+from pagedllm.models.layers.attention import model_sliding_window
 from pagedllm.models.registry import check_model_supported
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -62,10 +63,15 @@ class LLMEngine:
         self.executor.init_cache(num_device, num_host)
         # one scheduler, block manager and (on the workers) KV cache of num_device blocks per
         # virtual engine: pipeline_parallel_size of them keep that many batches in flight
+        # a model whose every layer has a sliding window frees the blocks behind it early,
+        # where the backend's attention runs the window (it then never reads them as keys)
+        window = (model_sliding_window(config.model.hf_config, config.model.max_model_len)
+                  if "sliding_window" in self.backend.capabilities.attention_features else None)
         self.schedulers = [
             Scheduler(config.scheduler,
                       BlockManager(config.cache.block_size, num_device, num_host,
-                                   enable_caching=config.cache.enable_prefix_caching),
+                                   enable_caching=config.cache.enable_prefix_caching,
+                                   sliding_window=window),
                       can_swap=self.backend.capabilities.swap)
             for _ in range(config.parallel.pipeline_parallel_size)]
         self.scheduler = self.schedulers[0]

@@ -77,6 +77,8 @@ def test_greedy_matches_transformers(arch: str, mode: str, reference) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert llm.llm_engine.block_manager.num_prefix_hit_blocks > hits_before
+    if arch == "mistral_window6":  # every layer windowed: blocks behind the window freed early
+        assert llm.llm_engine.block_manager.num_slid_out_blocks > 0
     stats = llm.llm_engine.stats()
     if mode.startswith("preempt"):
         assert stats.num_preemptions > 0

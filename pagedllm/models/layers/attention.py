@@ -30,6 +30,16 @@ def layer_sliding_window(config: Any, layer_idx: int, max_positions: int | None 
     return int(window)
 
 
+def model_sliding_window(config: Any, max_positions: int) -> int | None:
+    """The window when every layer of the model has one (the largest), else None: only then can
+    KV blocks behind it be freed (core/block_manager.py). Read as ``layer_sliding_window``."""
+    windows = [layer_sliding_window(config, i, max_positions)
+               for i in range(getattr(config, "num_hidden_layers", 0) or 0)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  ctx: LayerContext, *, sliding_window: int | None = None,
