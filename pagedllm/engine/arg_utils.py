@@ -183,6 +183,9 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
             break
     if limit is None:
         limit = 2048
+    from pagedllm.models.layers.rotary import rope_scaled_max_len
+
+    limit = rope_scaled_max_len(hf_config, limit)  # linear / dynamic / yarn scaling
     window = getattr(hf_config, "sliding_window", None)
     if (isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True)
             and not _runs_sliding_window(hf_config)):

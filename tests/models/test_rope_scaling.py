@@ -108,3 +108,30 @@ def test_sequence_lengths_from_tensors_without_host_lists() -> None:
         query_start_loc=torch.tensor([0, 2, 5]), decode_seq_lens=torch.tensor([90]))
     positions = torch.tensor([38, 39, 0, 1, 2, 89, 0])  # the last row is bucket padding
     assert step_seq_lens(positions, meta).tolist() == [40, 40, 3, 3, 3, 90, 1]
+
+
+def test_scaled_model_length() -> None:
+    """Linear, dynamic and yarn scaling lengthen the model (vLLM's rule); llama3, longrope and
+    plain rope keep max_position_embeddings."""
+    from pagedllm.engine.arg_utils import derive_max_model_len
+
+    assert derive_max_model_len(_config("dynamic"), None) == 128  # 64 * 2
+    assert derive_max_model_len(_config("linear"), None) == 128
+    assert derive_max_model_len(_config("yarn"), None) == 128  # original 32 * 4
+    assert derive_max_model_len(_config("llama3"), None) == 64
+    assert derive_max_model_len(_config("longrope"), None) == 64
+    with pytest.raises(ValueError, match=r"max_model_len=129.*\[1, 128\]"):
+        derive_max_model_len(_config("dynamic"), 129)
+
+
+def test_dynamic_ntk_past_max_position_embeddings(tmp_path) -> None:
+    """Dynamic NTK with max_position_embeddings=48: the 64-token prompt is prefilled with the base
+    of length 64 and every decode step past 48 with the base of its own length, as transformers'
+    generate does."""
+    from pagedllm.testing.checkpoints import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path), "llama", max_position_embeddings=48,
+                           rope_parameters=dict(SCALINGS["dynamic"], rope_theta=10000.0))
+    expected = hf_greedy(path, prompts())
+    assert max(len(p) + len(e) for p, e in zip(prompts(), expected)) > 48
+    assert_greedy_matches(path, "plain", expected)

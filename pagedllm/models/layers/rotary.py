@@ -174,3 +174,17 @@ def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_o
     qk = torch.cat([rotary_op(qk[..., :rot], cos, sin), qk[..., rot:]], dim=-1).reshape(t, -1)
     q, k = qk.split([q_size, kv_size], dim=-1)
     return q, k, v
+
+
+def rope_scaled_max_len(config: Any, limit: int) -> int:
+    """The model length a rope-scaled config supports, as vLLM derives it: ``limit``
+    (max_position_embeddings) times the scaling factor for linear, dynamic and yarn scaling (yarn
+    from ``original_max_position_embeddings``); llama3 and longrope configs already state their
+    long length, so ``limit`` stays."""
+    _, rope_type, params = _rope_theta_and_type(config)
+    factor = params.get("factor") if isinstance(params, dict) else None
+    if rope_type not in ("linear", "dynamic", "yarn") or not factor:
+        return limit
+    if rope_type == "yarn":
+        limit = int(params.get("original_max_position_embeddings") or limit)
+    return int(limit * float(factor))
