@@ -110,6 +110,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None
     policy: str = "fcfs"
+    # True when resolve() chose max_num_batched_tokens (none was given): a backend may then set
+    # its own default in check_and_update_config (cpu: chunked prefill, 4096 tokens per step)
+    budget_defaulted: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
@@ -123,6 +126,7 @@ class SchedulerConfig:
         """Fill the token budget once the model length is known, and check it against it."""
         self.max_model_len = max_model_len
         if not self.max_num_batched_tokens:
+            self.budget_defaulted = True
             self.max_num_batched_tokens = (max(2048, self.max_num_seqs) if self.enable_chunked_prefill
                                            else max(max_model_len, 2048, self.max_num_seqs))
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",

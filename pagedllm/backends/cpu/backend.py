@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 ATTENTION_CHOICES = ("native", "torch", "ipex")
+CPU_MAX_NUM_BATCHED_TOKENS = 4096  # the default token budget per step (no budget given)
 
 
 class CpuBackend(Backend):
@@ -83,6 +84,12 @@ class CpuBackend(Backend):
 
     def check_and_update_config(self, config: EngineConfig) -> None:
         super().check_and_update_config(config)
+        sched = config.scheduler
+        if getattr(sched, "budget_defaulted", False):
+            # no max_num_batched_tokens given: vLLM's V1 engine on CPU (chunked prefill, 4096
+            # tokens per step): prefills fill large GEMMs, decodes ride along in the same step
+            sched.enable_chunked_prefill = True
+            sched.max_num_batched_tokens = max(CPU_MAX_NUM_BATCHED_TOKENS, sched.max_num_seqs)
         # attention_backend="torch" asks for the torch reference throughout, layer ops included
         self.native_ops = config.attention_backend != "torch"
 
