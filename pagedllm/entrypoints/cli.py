@@ -1,7 +1,8 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``backends`` (and ``bench``).
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``backends`` (and ``--version``).
 
     pagedllm serve MODEL [--device cpu] [--port 8000] [engine flags ...]
     pagedllm generate [--model PATH] [--device D] [sampling flags] PROMPT... [--prompts-file F]
+    pagedllm bench [--model PATH] [--peer hf] [--output-json F] [--plot F.png] [engine flags ...]
     pagedllm backends
 
 Each subcommand adds its own subparser and sets ``func``, a function of the parsed args that

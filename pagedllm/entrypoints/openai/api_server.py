@@ -137,13 +137,13 @@ def build_engine(engine_args: AsyncEngineArgs, own_process: bool = True) -> Asyn
 
 def kill_engine(engine: AsyncEngineBase) -> None:
     """Stop the engine at once: its process (and workers), or this process's own workers."""
-    from pagedllm.entrypoints.openai.engine_client import (MPEngineClient, _children,
+    from pagedllm.entrypoints.openai.engine_client import (MPEngineClient, child_pids,
                                                            kill_process_tree)
 
     if isinstance(engine, MPEngineClient):
         engine.kill()
         return
-    for child in _children(os.getpid()):  # an in-process engine's executor workers
+    for child in child_pids(os.getpid()):  # an in-process engine's executor workers
         kill_process_tree(child)
 
 

@@ -311,7 +311,7 @@ class MPEngineClient(AsyncEngineBase):
 
 def kill_process_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it (Linux /proc; elsewhere just ``pid``)."""
-    for child in _children(pid):
+    for child in child_pids(pid):
         kill_process_tree(child)
     try:
         os.kill(pid, signal.SIGKILL)
@@ -319,7 +319,7 @@ def kill_process_tree(pid: int) -> None:
         pass
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     found = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
