@@ -2,8 +2,13 @@
 Llama (make_model.py bench99m) in bfloat16 vs weight-only INT8 and INT4 (random quantized
 weights, load_format="dummy", GPTQ layouts: INT8 per channel symmetric, INT4 groups of 128).
 
-    python benchmarks/quant.py [--variants bf16,int8,int4] [--num-prompts 64] [--input-len 32]
+    python benchmarks/quant.py [--variants bf16,int8,int4,fp8] [--num-prompts 64] [--input-len 32]
                                [--output-len 64] [--repeats 3] [--no-kernels]
+                               [--device cpu|cuda] [--preset bench99m|llama3-8b-shape]
+
+On an H200: ``--device cuda --preset llama3-8b-shape --variants bf16,int4 --num-prompts 1
+--input-len 128 --output-len 128`` (batch 1) and ``--variants bf16,fp8 --num-prompts 1000
+--input-len 128 --output-len 128`` (throughput).
 
 --no-kernels sets PAGEDLLM_CPU_QUANT_KERNELS=0 (the reference dequantize-and-multiply), the A/B
 baseline of backends/cpu/quant_ops.py. Variants run round robin, each in this process; the
@@ -36,14 +41,15 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "int8": {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True},
     "int4": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
              "sym": True},
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},  # FP8 at load time
 }
 
 
-def model_dir(root: Path, variant: str) -> Path:
+def model_dir(root: Path, variant: str, preset: str) -> Path:
     """config.json (+ quantization_config) and a tokenizer; weights come from load_format=dummy."""
     out = root / variant
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config("bench99m", "bfloat16")
+    config = make_config(preset, "bfloat16")
     if VARIANTS[variant] is not None:
         config.quantization_config = VARIANTS[variant]
     config.save_pretrained(out)
@@ -75,10 +81,10 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def run(path: Path, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def run(path: Path, prompts: list[list[int]], output_len: int, device: str) -> tuple[float, int]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(path), device="cpu", dtype="bfloat16", load_format="dummy")
+    llm = LLM(str(path), device=device, dtype="bfloat16", load_format="dummy")
     try:
         model = llm.llm_engine.executor.worker.model
         weight_bytes = resident_weight_bytes(model)
@@ -100,6 +106,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="bench99m", choices=("bench99m", "llama3-8b-shape"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.no_kernels:
@@ -109,14 +117,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     rng = random.Random(0)
-    prompts = [[rng.randint(3, 4095) for _ in range(args.input_len)]
+    vocab = make_config(args.preset, "bfloat16").vocab_size
+    prompts = [[rng.randint(3, vocab - 1) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     results: dict[str, dict[str, Any]] = {v: {"tok_s": []} for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {v: model_dir(Path(tmp), v) for v in variants}
+        paths = {v: model_dir(Path(tmp), v, args.preset) for v in variants}
         for _ in range(args.repeats):
             for v in variants:
-                tok_s, weight_bytes = run(paths[v], prompts, args.output_len)
+                tok_s, weight_bytes = run(paths[v], prompts, args.output_len, args.device)
                 results[v]["tok_s"].append(tok_s)
                 results[v]["weight_bytes"] = weight_bytes
                 logger.info("%s: %.1f tok/s, weights %.1f MiB", v, tok_s, weight_bytes / 2**20)

@@ -24,7 +24,7 @@ EXTENSION_NAME = "pagedllm._C"
 SOURCE_FILES = (
     "torch_bindings.cpp", "layer_bindings.cpp", "decode_step_bindings.cpp", "paged_attention.cu",
     "cache_kernels.cu", "layer_kernels.cu", "gemv_kernels.cu", "decode_step_kernel.cu",
-    "launch_config.cu",
+    "launch_config.cu", "quant_bindings.cpp", "quantization/int4_linear.cu",
 )
 DEFAULT_CUDA_ARCH = "9.0"
 TARGETS = ("cuda", "rocm", "cpu")
@@ -37,7 +37,8 @@ def kernel_sources(csrc_dir: Path = CSRC_DIR) -> list[str]:
 
 def kernel_headers(csrc_dir: Path = CSRC_DIR) -> list[str]:
     """Headers the sources include (part of the JIT cache key)."""
-    return sorted(str(p) for p in csrc_dir.iterdir() if p.suffix in (".h", ".cuh"))
+    files = [*csrc_dir.iterdir(), *(csrc_dir / "quantization").iterdir()]
+    return sorted(str(p) for p in files if p.suffix in (".h", ".cuh"))
 
 
 def _has_nvcc() -> bool:

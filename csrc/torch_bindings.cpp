@@ -322,6 +322,10 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
 
 }  // namespace
 
+namespace pagedllm::binding {
+void register_quant_ops(pybind11::module_& m);  // quant_bindings.cpp
+}  // namespace pagedllm::binding
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedllm CUDA/ROCm kernels: paged decode attention, KV-cache maintenance, layer ops";
   m.attr("MIN_PARTITION_SIZE") = pagedllm::kMinPartitionSize;
@@ -356,4 +360,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "configure_programmatic_launch and on HIP).");
   pagedllm::binding::register_layer_ops(m);
   pagedllm::binding::register_decode_step(m);
+  pagedllm::binding::register_quant_ops(m);
 }

@@ -7,11 +7,14 @@ product accumulates in float32 and is scaled and rounded to the model dtype once
 ``_scaled_mm`` does not run (a GPU without FP8 tensor cores, or shapes not multiples of 16) the
 reference dequantize-and-multiply stays.
 
-4-bit layouts get their GPU layout here (``int4_gpu_layout``, what csrc/quantization's GEMV and
-GEMM read); the extension binding of those kernels is not wired yet, so they run the reference.
+4-bit layouts with groups in column order (GPTQ without act order, AWQ, compressed-tensors W4A16)
+run csrc/quantization's GEMV (up to 8 rows) and tiled GEMM (``pagedllm._C.int4_linear``) on the
+layout ``int4_gpu_layout`` makes once at load (the codes are then dropped); other integer
+layouts run the reference.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -54,14 +57,56 @@ def _fp8_route_ok(layer: nn.Module) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels() -> Any:
+    """pagedllm._C (built on first use) where it has int4_linear, else None."""
+    try:
+        from pagedllm.backends.cuda import ops as kernel_ops
+
+        ok, reason = kernel_ops.kernels_available(build=True)
+        if not ok:
+            logger.info("csrc/ kernels unavailable (%s); 4-bit linears run the reference", reason)
+            return None
+        kernels = kernel_ops.load_kernels()
+        return kernels if hasattr(kernels, "int4_linear") else None
+    except (ImportError, RuntimeError, OSError) as exc:
+        logger.info("csrc/ kernels unavailable (%s); 4-bit linears run the reference", exc)
+        return None
+
+
+def _int4_route_ok(layer: nn.Module) -> bool:
+    q, w = layer.quant, layer.weight
+    return (w.dtype == torch.uint8 and w.is_cuda and q.method.bits == 4 and q.g_idx is None
+            and q.zero is not None and q.act == "none" and q.group_size > 0
+            and q.group_size % 32 == 0 and w.shape[1] % q.group_size == 0
+            and _kernels() is not None)
+
+
 def quant_linear_prepare(layer: nn.Module) -> None:
     layer.cuda_fp8 = _fp8_route_ok(layer)
     if layer.cuda_fp8:
         layer.cuda_fp8_scale = layer.quant.scale.float().reshape(1, -1).contiguous()  # [1, N]
+    layer.cuda_int4 = None
+    if not layer.cuda_fp8 and _int4_route_ok(layer):
+        qweight, scales, offsets = int4_gpu_layout(layer)
+        layer.cuda_int4 = (qweight, scales, offsets, layer.quant.group_size)
+        layer.cuda_out_features = layer.weight.shape[0]
+        # the codes are no longer read: a 0-element placeholder of the same dtype
+        layer.weight = nn.Parameter(layer.weight.data.new_empty((0, layer.weight.shape[1])),
+                                    requires_grad=False)
 
 
 def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """x [T, in] -> [T, out] in x's dtype."""
+    int4 = getattr(layer, "cuda_int4", None)
+    if int4 is not None:
+        qweight, scales, offsets, group_size = int4
+        y = _kernels().int4_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales,
+                                   offsets, group_size)
+        bias = getattr(layer, "bias", None)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], layer.cuda_out_features)
     if not getattr(layer, "cuda_fp8", False):
         return reference_quant_linear(x, layer)
     x2 = x.reshape(-1, x.shape[-1])
