@@ -9,6 +9,7 @@ matcher has accepted exactly those.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,6 +24,9 @@ from pagedllm.core.sequence import SequenceGroup
 from pagedllm.engine.guided.compiler import GrammarCompileError, GrammarCompilerService
 
 logger = logging.getLogger(__name__)
+
+# threads that fill a step's bitmask rows (between steps: the device is idle or running ahead)
+FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass
@@ -42,6 +46,7 @@ class GuidedManager:
         self._compiling: list[_Compiling] = []
         self._grammars: dict[str, Any] = {}  # request id -> CompiledGrammar
         self._matchers: dict[tuple[str, int], Any] = {}  # (request id, index) -> GrammarMatcher
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     @property
     def service(self) -> GrammarCompilerService:
@@ -131,6 +136,7 @@ class GuidedManager:
         if not rows:
             return None
         mask = torch.full((len(sched.batch.seqs), self.words), -1, dtype=torch.int32)
+        live: list[tuple[int, Any]] = []
         for i in rows:
             group, seq = sched.entries[i]
             if sched.batch.seqs[i].token_ids[-1] == PENDING_TOKEN:
@@ -139,8 +145,20 @@ class GuidedManager:
             if m.is_terminated():  # only its stop tokens remain (e.g. with ignore_eos)
                 mask[i] = self._stop_row()
             else:
-                m.fill_next_token_bitmask(mask, i)
+                live.append((i, m))
+        if len(live) == 1:
+            live[0][1].fill_next_token_bitmask(mask, live[0][0])
+        elif live:  # rows filled in parallel by xgrammar's threads (the GIL released)
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                [m for _, m in live], mask, indices=[i for i, _ in live])
         return mask
+
+    def _batch_matcher(self) -> Any:
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        return self._batch
 
     def _stop_row(self) -> torch.Tensor:
         words = [0] * self.words
