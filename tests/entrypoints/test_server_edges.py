@@ -96,3 +96,25 @@ def test_disconnect_is_logged_like_a_finish_and_every_line_is_timestamped(
     lines = [ln for ln in server.logs().splitlines() if re.search(r"\b(INFO|WARNING|ERROR)\b", ln)]
     assert lines and all(LOG_LINE.match(ln) for ln in lines), \
         [ln for ln in lines if not LOG_LINE.match(ln)][:5]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_time_out_before_scheduling(server: CliServer, stream: bool) -> None:
+    """Issue 28 item 6 through the server: every one of the n choices comes back as "timeout"."""
+    body = {"model": "a", "prompt": "hi", "max_tokens": 8, "n": 3, "temperature": 1.0,
+            "timeout_seconds": 0.0001, "stream": stream}
+    auth = {"Authorization": "Bearer secret"}
+    if not stream:
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        got = sorted((c["index"], c["finish_reason"]) for c in r.json()["choices"])
+    else:
+        got = []
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += [(c["index"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]
+                            if c["finish_reason"] is not None]
+        got.sort()
+    assert got == [(0, "timeout"), (1, "timeout"), (2, "timeout")]
