@@ -63,3 +63,9 @@ def test_cuda_triton_moe_matches_transformers(mixtral) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_pipeline_parallel_2(mixtral) -> None:
+    """Two stages of one layer each; a stage loads only its own layers' experts."""
+    path, expected = mixtral
+    assert_greedy_matches(path, "plain", expected, pipeline_parallel_size=2)

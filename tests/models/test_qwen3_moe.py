@@ -34,3 +34,9 @@ def test_sampled_logprobs_match_transformers(qwen3_moe) -> None:
 def test_tensor_parallel_2(qwen3_moe) -> None:
     path, expected = qwen3_moe
     assert_greedy_matches(path, "plain", expected, tensor_parallel_size=2)
+
+
+def test_pipeline_parallel_2(qwen3_moe) -> None:
+    """Stage 0 runs the sparse layer, stage 1 the dense mlp_only layer."""
+    path, expected = qwen3_moe
+    assert_greedy_matches(path, "plain", expected, pipeline_parallel_size=2)
