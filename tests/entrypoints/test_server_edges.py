@@ -28,7 +28,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def server(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
     s = CliServer([model, "--api-key", "secret", "--served-model-name", "a", "b",
-                   "--num-gpu-blocks-override", "256"],
+                   "--num-gpu-blocks-override", "512", "--max-num-seqs", "4"],
                   tmp_path_factory.mktemp("edges-log") / "server.log")
     yield s
     s.stop()
@@ -98,23 +98,32 @@ def test_disconnect_is_logged_like_a_finish_and_every_line_is_timestamped(
         [ln for ln in lines if not LOG_LINE.match(ln)][:5]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_n_choices_time_out_before_scheduling(server: CliServer, stream: bool) -> None:
-    """Issue 28 item 6 through the server: every one of the n choices comes back as "timeout"."""
+def _timed_out_choices(server: CliServer, stream: bool) -> list[tuple[int, str]]:
     body = {"model": "a", "prompt": "hi", "max_tokens": 8, "n": 3, "temperature": 1.0,
-            "timeout_seconds": 0.0001, "stream": stream}
+            "timeout_seconds": 0.3, "stream": stream}
     auth = {"Authorization": "Bearer secret"}
     if not stream:
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200, r.text
-        got = sorted((c["index"], c["finish_reason"]) for c in r.json()["choices"])
-    else:
-        got = []
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth,
-                          timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += [(c["index"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]
-                            if c["finish_reason"] is not None]
-        got.sort()
-    assert got == [(0, "timeout"), (1, "timeout"), (2, "timeout")]
+        return sorted((c["index"], c["finish_reason"]) for c in r.json()["choices"])
+    got = []
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += [(c["index"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]
+                        if c["finish_reason"] is not None]
+    return sorted(got)
+
+
+def test_n_choices_time_out_before_scheduling(server: CliServer) -> None:
+    """Issue 28 item 6 through the server: a request with n=3 that waits (the server's 4
+    sequence slots are taken) past its timeout returns every one of the n choices as "timeout"."""
+    busy = {"model": "a", "prompt": "busy", "max_tokens": 1500, "n": 4, "temperature": 1.0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=busy, timeout=60,
+                      headers={"Authorization": "Bearer secret"}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the 4 slots are running
+        for stream in (False, True):
+            assert _timed_out_choices(server, stream) == [(i, "timeout") for i in range(3)]
