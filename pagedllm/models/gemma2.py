@@ -16,6 +16,8 @@ from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
                                            QKVParallelLinear, RowParallelLinear)
+from pagedllm.models.layers.pipeline import (PPMissingLayer, empty_intermediate, is_pp_missing,
+                                             make_layers)
 from pagedllm.models.layers.rotary import RotaryEmbedding
 from pagedllm.models.loader_utils import load_named_weights
 
@@ -126,7 +128,8 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
-    """HF-compatible weights; ``forward`` returns final hidden states [num_tokens, hidden]."""
+    """HF-compatible weights; ``forward`` returns final hidden states [num_tokens, hidden] (on a
+    pipeline stage other than the last: {"hidden_states", "residual"} for the next one)."""
 
     layer_cls = Gemma2DecoderLayer
     stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
@@ -136,18 +139,24 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ctx = ctx
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        pp = self.pp = ctx.pp
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        # the first stage embeds; the last runs the final norm and the LM head (tied: the embedding)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if pp.is_first or (pp.is_last and self.tie_word_embeddings)
+                             else PPMissingLayer())
         # transformers multiplies by sqrt(hidden) rounded to the model dtype
         self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5, dtype=ctx.dtype,
                                                         device=ctx.device), persistent=False)
-        self.layers = nn.ModuleList([
-            self.layer_cls(config, ctx, self.rotary_for(config, i, max_positions),
-                           layer_sliding_window(config, i, max_positions))
-            for i in range(config.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
-        if self.tie_word_embeddings:
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: self.layer_cls(config, ctx, self.rotary_for(config, i, max_positions),
+                                     layer_sliding_window(config, i, max_positions)),
+            pp.rank, pp.size)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if pp.is_last else None
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if pp.is_last
+                        else PPMissingLayer())
+        if self.tie_word_embeddings and pp.is_last:
             self.lm_head.weight = self.embed_tokens.weight
         self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
 
@@ -159,13 +168,27 @@ class Gemma2ForCausalLM(nn.Module):
         return self.rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                intermediate: dict[str, torch.Tensor] | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``kv_caches`` holds this stage's layers only; ``intermediate`` is the previous
+        stage's output (None on the first)."""
+        if self.pp.is_first:
+            hidden, residual = self.embed_tokens(input_ids) * self.normalizer, None
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if not self.pp.is_last:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
+                                        device: torch.device) -> dict[str, torch.Tensor]:
+        return empty_intermediate(("hidden_states", "residual"), num_tokens,
+                                  self.config.hidden_size, dtype, device)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [tokens, vocab]; final soft cap: cap * tanh(logits / cap), in place."""
@@ -182,6 +205,7 @@ class Gemma2ForCausalLM(nn.Module):
                 name = name[len("model."):]
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None
-            return name.replace("self_attn.o_proj.bias", "self_attn.o_proj.out_bias")
+            name = name.replace("self_attn.o_proj.bias", "self_attn.o_proj.out_bias")
+            return None if is_pp_missing(self, name) else name  # another stage's tensor
 
         return load_named_weights(self, weights, rename, self.stacked)
