@@ -248,6 +248,35 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} {NOT_DECLARED}"
                         f"{capability_label(need)}")
+        choice = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        if choice and not _chosen_attention_supports(cls, need):
+            cov.missing[item.nodeid] = need
+            pytest.skip(f"backend {device_name(item.config)!r} with attention {choice!r} "
+                        f"{NOT_DECLARED}{capability_label(need)}")
+
+
+def _chosen_attention_supports(cls: type[Backend], need: str) -> bool:
+    """With an explicit --attention-backend, a backend-wide feature or KV-cache dtype counts
+    only where that implementation takes it: its ``supported_features``, and an
+    ``attention_cls`` that does not refuse the KV-cache dtype."""
+    from pagedllm.testing.sweep import FEATURE, KV_CACHE_DTYPE
+
+    if not need.startswith((FEATURE, KV_CACHE_DTYPE)):
+        return True
+    from pagedllm.testing.harness import make_config
+
+    backend = cls()
+    caps = cls.capabilities
+    kv = need[len(KV_CACHE_DTYPE):] if need.startswith(KV_CACHE_DTYPE) else None
+    try:
+        config = make_config(backend, dtype=caps.dtypes[0], block_size=caps.preferred_block_size,
+                             kv_cache_dtype=kv)
+        impl = backend.attention_cls(config)
+    except ValueError:  # the chosen implementation refuses it, naming why
+        return False
+    if need.startswith(FEATURE):
+        return need[len(FEATURE):] in getattr(impl, "supported_features", ())
+    return True
 
 
 @pytest.hookimpl(hookwrapper=True)
