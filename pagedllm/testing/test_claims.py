@@ -16,7 +16,7 @@ from pagedllm.backends.interface import Capabilities
 from pagedllm.testing.e2e import engine_greedy, first_mismatch
 from pagedllm.testing.test_e2e import make_llm
 
-AREA = "claims (graphs, async output, tensor parallel)"
+AREA = "claims (graphs, async, TP)"
 CAPABILITY_OF = {"test_tensor_parallel_where_this_machine_can": "tensor parallel 2"}
 
 
