@@ -153,3 +153,23 @@ def test_bad_constraints_are_400(http, change: dict, param: str) -> None:
     check_error(http.post("/v1/chat/completions", json=body), param)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 5, **change}
     check_error(http.post("/v1/completions", json=body), param)
+
+
+def test_prompt_logprobs_are_returned(http) -> None:
+    """vLLM's shape: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the actual next prompt token and the top k."""
+    prompt = [40, 41, 42, 43, 44]
+    resp = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                               "prompt_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    entries = resp.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for target, entry in zip(prompt[1:], entries[1:]):
+        assert str(target) in entry and 2 <= len(entry) <= 3
+        ranked = sorted(entry.values(), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == list(range(1, len(entry) + 1))
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(ranked, ranked[1:]))
+        assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in ranked)
+    chat = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
