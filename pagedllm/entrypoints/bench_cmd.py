@@ -85,8 +85,13 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], config: Any) -> d
     if device is None:
         raise ValueError(f"--peer hf runs on cpu, cuda or rocm, not on device={config.device!r}")
     dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else "auto"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        config.model.model, dtype=dtype, local_files_only=True).to(device).eval()
+    if config.model.load_format == "dummy":  # random weights, as the engine's (no files needed)
+        torch.manual_seed(args.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config.model.hf_config, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            config.model.model, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
     size = args.hf_batch_size or len(prompts)
     kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                   do_sample=False, pad_token_id=0)
