@@ -84,6 +84,33 @@ def test_float32_greedy_matches_transformers(checkpoint_factory, arch: str, mode
         assert s.num_preemptions > 0
 
 
+# sliding windows shorter than the prompts (Mistral: every layer; Gemma: alternating with global
+# layers) and soft caps (Gemma 2), head size 64 so the decode kernel and the Triton prefill run them
+WINDOWED = {"gemma2": ("gemma2", dict(head_dim=64)), "gemma3": ("gemma3", dict(head_dim=64)),
+            "mistral_window7": ("mistral", dict(sliding_window=7))}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(WINDOWED))
+def test_window_and_soft_cap_models_match_transformers(checkpoint_factory, case: str,
+                                                       mode: str) -> None:
+    arch, overrides = WINDOWED[case]
+    path = kernel_checkpoint(checkpoint_factory, arch, **overrides)
+    expected = hf_greedy(path, prompts(), torch.float32, 24)
+    facts, got = run(path, 24, dtype="float32", **MODES[mode])
+    assert facts["attention_backend"] != "torch"  # the kernels, not the fallback
+    assert got == expected
+
+
+@pytest.mark.parametrize("case", ["gemma2", "mistral_window7"])
+def test_window_models_graphs_match_eager(checkpoint_factory, case: str) -> None:
+    arch, overrides = WINDOWED[case]
+    path = kernel_checkpoint(checkpoint_factory, arch, **overrides)
+    _, eager = run(path, 40, dtype="bfloat16", enforce_eager=True, max_num_seqs=16)
+    facts, graphs = run(path, 40, dtype="bfloat16", enforce_eager=False, max_num_seqs=16)
+    assert facts["graphs"] and graphs == eager
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cuda_graphs_match_eager(checkpoint_factory, dtype: str) -> None:
     path = kernel_checkpoint(checkpoint_factory, "llama", num_hidden_layers=3)
