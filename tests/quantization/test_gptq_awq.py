@@ -47,3 +47,13 @@ def test_gptq_rows_differ_from_float(float_path: str, tmp_path) -> None:
 
     _, twin = gptq_checkpoint(float_path, str(tmp_path / "g"), 4, 32, True, False)
     assert hf_reference(twin, prompts())[1] != hf_reference(float_path, prompts())[1]
+
+
+@pytest.mark.parametrize("case", ["4bit-g32-sym", "4bit-g32-asym-desc_act"])
+def test_gptq_tensor_parallel_2(case: str, float_path: str, tmp_path) -> None:
+    """TP=2: column-parallel layers split scales with their rows; row-parallel ones split groups
+    with their columns, or keep every group where columns may be in any (act order) or one scale
+    spans the row (per channel)."""
+    bits, gs, sym, desc_act = GPTQ_CASES[case]
+    path, twin = gptq_checkpoint(float_path, str(tmp_path / case), bits, gs, sym, desc_act)
+    assert_matches(path, twin, tensor_parallel_size=2)
