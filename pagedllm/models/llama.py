@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda i: self.layer_cls(config, ctx, self.rotary, biases,
-                                        layer_sliding_window(config, i, max_positions), layer_idx=i),
+                                     layer_sliding_window(config, i, max_positions), layer_idx=i),
             pp.rank, pp.size)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if pp.is_last else None
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if pp.is_last
