@@ -8,6 +8,7 @@ import multiprocessing
 import types
 
 import pytest
+import torch
 
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import PPGroup
@@ -248,3 +249,21 @@ def test_killed_stage_ends_every_request_and_health_turns_503(checkpoint_factory
 
     assert asyncio.run(main()) < 10.0
     assert all(not p.is_alive() for p in processes)
+
+
+# --- cuda (NCCL): run where two GPUs are visible -------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cuda_pp2_matches_pp1(arch: str, checkpoint_factory) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    path = checkpoint_factory(arch)
+    single = LLM(path, device="cuda", dtype="float32")
+    expected = greedy(single)
+    single.llm_engine.shutdown()
+    del single
+    llm = LLM(path, device="cuda", dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert llm.llm_engine.backend.dist_backend == "nccl"
+        assert greedy(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()
