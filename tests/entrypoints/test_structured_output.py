@@ -173,3 +173,22 @@ def test_prompt_logprobs_are_returned(http) -> None:
     chat = http.post("/v1/chat/completions", json={
         "model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+
+
+def test_grammar_compile_timeout_is_an_error(start_server, monkeypatch) -> None:
+    """PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT bounds the wait for a grammar: a schema slower to
+    compile fails with a 400 saying so, and the server keeps serving."""
+    import httpx
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "0.000001")
+    server = start_server()
+    slow = {"type": "object", "properties": {
+        f"p{i}": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{3}[0-9]{2}"}}
+        for i in range(300)}}
+    with httpx.Client(base_url=server.base_url, timeout=120) as h:
+        resp = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                               "guided_json": slow})
+        assert resp.status_code == 400, resp.text
+        assert "grammar compilation took longer than" in resp.json()["error"]["message"]
+        ok = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert ok.status_code == 200

@@ -91,7 +91,11 @@ def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
             if not _apply_messages(engine, conn, block=not engine.has_unfinished_requests()):
                 break
             outputs = engine.step()
-            conn.send(("step", engine.stats(), [encoder.encode(o) for o in outputs]))
+            for out in outputs:  # a request the engine failed on its own (grammar timeout)
+                if out.error is not None:
+                    conn.send(("error", out.request_id, out.error))
+            conn.send(("step", engine.stats(),
+                       [encoder.encode(o) for o in outputs if o.error is None]))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the server is gone
     except Exception as exc:  # noqa: BLE001 - a failed step: tell the server, then exit

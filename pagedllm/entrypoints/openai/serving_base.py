@@ -245,6 +245,8 @@ class ServingContext:
             return SSEResponse(events, on_close=partial(abort_all, streams))
         try:
             finals = await self.wait_final(streams, raw_request)
+        except ValueError as exc:  # the engine refused the request after accepting it
+            raise bad_request(str(exc)) from exc
         finally:
             abort_all(streams)
         if finals is None:  # the client is gone; nobody reads this
