@@ -14,6 +14,7 @@ from pagedllm.models.layers.embedding import ParallelLMHead
 from pagedllm.models.layers.linear import LayerContext, LinearBase
 from pagedllm.models.layers.quantization import get_quantization_config
 from pagedllm.models.layers.quantization.dummy import init_dummy_quantized
+from pagedllm.models.layers.quantization.kv_scales import apply_kv_scales, split_kv_scales
 from pagedllm.models.registry import MODEL_REGISTRY, model_class, resolve_architecture  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ def load_model(model_config: ModelConfig, ctx: LayerContext) -> nn.Module:
         if ctx.quant is not None:
             init_dummy_quantized(model, model_config.seed)
     else:
-        weights = iterate_checkpoint(model_config.model, model_config.load_format)
+        kv_scales: dict[str, float] = {}
+        weights = split_kv_scales(iterate_checkpoint(model_config.model, model_config.load_format),
+                                  kv_scales)
         model.load_weights(weights if ctx.quant is None else ctx.quant.convert(weights))
+        apply_kv_scales(model, kv_scales)
     prepare_linears(model, ctx)
     return model.eval()

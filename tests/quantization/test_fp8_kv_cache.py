@@ -32,16 +32,9 @@ def run(path: str, max_tokens: int = MAX_TOKENS, **kwargs) -> tuple[LLM, list]:
         llm.llm_engine.shutdown()
 
 
-def test_close_to_transformers(path: str) -> None:
-    """Teacher-forced on pagedllm's tokens, transformers' float32 logprobs of those tokens are
-    within 0.05, and each token is transformers' argmax or within 0.05 of it (a near tie that
-    fp8 rounding may flip; greedy runs then part ways, so token lists are not compared)."""
+def assert_close_teacher_forced(path: str, outs: list) -> None:
     from transformers import AutoModelForCausalLM
 
-    llm, outs = run(path)
-    worker = llm.llm_engine.executor.worker
-    assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
-    assert worker.attn_cls.name == "torch"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for p, out in zip(prompts(), outs):
         with torch.no_grad():
@@ -50,6 +43,41 @@ def test_close_to_transformers(path: str) -> None:
         for i, tok in enumerate(out.token_ids):
             assert out.logprobs[i][tok] == pytest.approx(ref[i, tok].item(), abs=0.05)
             assert ref[i].max().item() - ref[i, tok].item() <= 0.05
+
+
+def test_close_to_transformers(path: str) -> None:
+    """Teacher-forced on pagedllm's tokens, transformers' float32 logprobs of those tokens are
+    within 0.05, and each token is transformers' argmax or within 0.05 of it (a near tie that
+    fp8 rounding may flip; greedy runs then part ways, so token lists are not compared)."""
+    llm, outs = run(path)
+    worker = llm.llm_engine.executor.worker
+    assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert worker.attn_cls.name == "torch"
+    assert_close_teacher_forced(path, outs)
+
+
+def test_checkpoint_kv_scales(path: str, tmp_path) -> None:
+    """Per-tensor k_scale / v_scale tensors of a checkpoint reach the attention layers (and the
+    checkpoint still loads: they are no model parameters)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = str(tmp_path / "scaled")
+    shutil.copytree(path, dst)
+    state = load_file(os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as fh:
+        layers = json.load(fh)["num_hidden_layers"]
+    for i in range(layers):
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5 + i)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    llm, outs = run(dst)
+    impls = [layer.self_attn.attn.impl for layer in llm.llm_engine.executor.worker.model.layers]
+    assert [(im.k_scale, im.v_scale) for im in impls] == [(0.25, 0.5 + i) for i in range(layers)]
+    assert_close_teacher_forced(path, outs)
 
 
 @pytest.mark.parametrize("mode", [
