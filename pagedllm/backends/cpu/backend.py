@@ -47,7 +47,8 @@ class CpuBackend(Backend):
         The default is "torch" for a model needing an attention feature (sliding window, soft
         cap) the native kernels do not declare; an explicit choice lacking one is refused.
         kv_cache_dtype="fp8" runs the torch attention (the only one reading e4m3 caches)."""
-        fp8_cache = config.cache.cache_dtype == "fp8"
+        # (a config without a cache part, as some callers build, means the model dtype)
+        fp8_cache = getattr(getattr(config, "cache", None), "cache_dtype", "auto") == "fp8"
         if fp8_cache and config.attention_backend not in (None, "torch"):
             raise ValueError(f"attention_backend={config.attention_backend!r} does not support "
                              f"kv_cache_dtype='fp8'; use attention_backend='torch' (or unset)")
