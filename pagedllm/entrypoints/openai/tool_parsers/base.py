@@ -66,3 +66,21 @@ class ToolParser:
     def content_before_calls(self, text: str) -> str:
         """The part of ``text`` that is surely content whatever follows."""
         return "" if self.may_start_tool_call(text) else text
+
+
+class MarkerToolParser(ToolParser):
+    """A format whose calls start at a marker string: the text before it is content, and a
+    tail that could be the marker's beginning is held back while streaming."""
+
+    marker = ""
+
+    def content_before_calls(self, text: str) -> str:
+        if self.marker in text:
+            return text[:text.index(self.marker)]
+        for i in range(max(0, len(text) - len(self.marker) + 1), len(text)):
+            if self.marker.startswith(text[i:]):
+                return text[:i]
+        return text
+
+    def may_start_tool_call(self, text: str) -> bool:
+        return self.content_before_calls(text) != text

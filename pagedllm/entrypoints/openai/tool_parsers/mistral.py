@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (ExtractedToolCalls, ToolParser,
+from pagedllm.entrypoints.openai.tool_parsers.base import (ExtractedToolCalls, MarkerToolParser,
                                                            calls_from_objects)
 
 BOT = "[TOOL_CALLS]"
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(MarkerToolParser):
     name = "mistral"
+    marker = BOT
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         if BOT not in text:
@@ -24,16 +25,3 @@ class MistralToolParser(ToolParser):
         if not calls:
             return ExtractedToolCalls(False, [], text)
         return ExtractedToolCalls(True, calls, head.strip() or None)
-
-    def may_start_tool_call(self, text: str) -> bool:
-        if BOT in text:
-            return True
-        return any(BOT.startswith(text[i:]) for i in range(max(0, len(text) - len(BOT)), len(text)))
-
-    def content_before_calls(self, text: str) -> str:
-        if BOT in text:
-            return text[:text.index(BOT)]
-        for i in range(max(0, len(text) - len(BOT)), len(text)):
-            if BOT.startswith(text[i:]):
-                return text[:i]
-        return text
