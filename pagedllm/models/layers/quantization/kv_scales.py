@@ -40,11 +40,15 @@ def apply_kv_scales(model: nn.Module, found: dict[str, float]) -> None:
     if not found:
         return
     impls = {name: module.impl for name, module in model.named_modules() if hasattr(module, "impl")}
+    applied = 0
     for key, value in found.items():
         module, _, attr = key.rpartition(".")
         module = module.removeprefix("model.")
         impl = impls.get(f"{module}.attn") or impls.get(module)
-        if impl is None:
-            raise ValueError(f"checkpoint K/V scale {key!r} matches no attention layer")
-        setattr(impl, attr, value)
-    logger.info("K/V cache scales from the checkpoint: %d layers", len(found) // 2)
+        if impl is not None:  # None: a layer of another pipeline stage
+            setattr(impl, attr, value)
+            applied += 1
+    if applied == 0:
+        raise ValueError(f"the checkpoint's K/V cache scales ({next(iter(found))!r}, ...) match no "
+                         f"attention layer of this model")
+    logger.info("K/V cache scales from the checkpoint: %d of %d set", applied, len(found))
