@@ -78,9 +78,3 @@ class PPGroup:
         for key in sorted(buffers):
             dist.recv(buffers[key], src=self.prev_rank)
         return buffers
-
-    def drain(self) -> None:
-        """Wait for every posted send (before the process group goes away)."""
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
