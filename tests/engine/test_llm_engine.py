@@ -132,12 +132,13 @@ def test_invalid_engine_args_name_the_field(llama_path: str) -> None:
 def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
-                                                      "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"],
+                                                      "model_type": "falcon"}))
     from pagedllm.testing.checkpoints import byte_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match=r"FalconForCausalLM.*not supported.*GPT2LMHeadModel.*"
+                                         r"LlamaForCausalLM"):
         LLM(str(tmp_path), device="cpu")
 
 
