@@ -99,7 +99,9 @@ def test_requests_running_at_the_deadline_end_with_a_shutdown_error(long_model: 
         elapsed = time.monotonic() - t0
         for c in clients:
             c.join(10)
-        assert elapsed < timeout_s + 5, f"exit took {elapsed:.1f} s"
+        # ~1.5 s past the deadline on a quiet 2-core machine (the handlers end, uvicorn and the
+        # engine process stop, the interpreter exits); up to ~5 s under a load of 19
+        assert elapsed < timeout_s + 6, f"exit took {elapsed:.1f} s"
         events = streamed["events"]
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])["error"]

@@ -68,7 +68,8 @@ class GracefulServer(uvicorn.Server):
         # unlike uvicorn's, the signal is not re-raised after a drain: the exit status stays 0
         name = signal.Signals(sig).name
         if self.state.draining or self._loop is None:
-            logger.warning("received %s again: stopping now (engine process included)", name)
+            logger.warning("received %s %s: stopping now (engine process included)", name,
+                           "again" if self.state.draining else "before serving")
             self.kill_engine()
             logging.shutdown()  # flushes the handlers; nothing else runs after this
             os._exit(128 + sig)
