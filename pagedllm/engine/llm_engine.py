@@ -225,10 +225,11 @@ class LLMEngine:
         error. With nothing else to run, waits a little for a compile instead of spinning."""
         if not self.guided.num_compiling:
             return
-        idle = not self.scheduler.has_unfinished() and self._inflight is None
+        idle = (not any(s.has_unfinished() for s in self.schedulers) and self._inflight is None
+                and not (self.pipeline and self.pipeline.in_flight))
         ready, failed = self.guided.pop_ready(wait_s=0.05 if idle else 0.0)
-        for group in ready:
-            self.scheduler.add(group)
+        for group in ready:  # as add_request places an unguided request
+            (self.pipeline.assign(group) if self.pipeline else self.scheduler).add(group)
         for group, error in failed:
             logger.warning("request %s failed: %s", group.request_id, error)
             self._finish_unscheduled(group, error)

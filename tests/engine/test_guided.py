@@ -208,3 +208,18 @@ def test_offline_logprobs_are_logprob_objects(llm: LLM) -> None:
         assert target in entry and entry[target].logprob <= 0.0
         ranks = sorted(v.rank for v in entry.values() if v.rank is not None)
         assert ranks == [1, 2]
+
+
+def test_pipeline_parallel_guided(llama_path: str) -> None:
+    """PP=2 (two virtual engines, two stage workers): guided requests, best_of forks included,
+    are placed like any request and their outputs match the constraint."""
+    llm = LLM(llama_path, device="cpu", dtype="float32", max_model_len=128,
+              pipeline_parallel_size=2)
+    try:
+        params = [_sample(GuidedDecodingParams(regex="[a-c]{3,8}@x"), seed=i, n=2, best_of=3)
+                  for i in range(4)]
+        outs = llm.generate([f"p{i}" for i in range(4)], params, use_tqdm=False)
+        texts = [c.text for o in outs for c in o.outputs]
+        assert len(texts) == 8 and all(re.fullmatch("[a-c]{3,8}@x", t) for t in texts), texts
+    finally:
+        llm.llm_engine.shutdown()
