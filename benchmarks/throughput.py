@@ -184,6 +184,9 @@ def child_env(backend: str, kv_cache_gib: float) -> dict[str, str]:
     if backend == "vllm":
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        # hides broken torchvision/torchaudio builds in every vLLM process (_vllm_site/)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH_DIR / "_vllm_site"),
+                                                          env.get("PYTHONPATH")]))
     else:  # import pagedllm from this tree even when it is not pip-installed
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
