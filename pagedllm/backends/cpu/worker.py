@@ -3,12 +3,13 @@ full-size step at start-up, so the first real step finds the heap grown and oneD
 for that batch built instead of faulting pages in while a request waits."""
 from __future__ import annotations
 
+from pagedllm.backends.cpu.backend import CPU_MAX_NUM_BATCHED_TOKENS
 from pagedllm.backends.cpu.heap import keep_freed_memory
 from pagedllm.worker.worker import Worker
 
-# The start-up step's size cap: the default token budget (a long-context model's budget of tens
-# of thousands of tokens would take minutes on a CPU, for a batch that seldom comes).
-WARMUP_MAX_TOKENS = 2048
+# The start-up step's size cap: the cpu default token budget (a long-context model's budget of
+# tens of thousands of tokens would take minutes on a CPU, for a batch that seldom comes).
+WARMUP_MAX_TOKENS = CPU_MAX_NUM_BATCHED_TOKENS
 
 
 class CpuWorker(Worker):
