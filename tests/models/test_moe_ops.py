@@ -82,3 +82,14 @@ def test_op_is_registered() -> None:
     assert "fused_moe" in Ops.NAMES and ops.fused_moe is fused_moe
     ops.register("fused_moe", fused_moe_grouped)
     assert ops.fused_moe is fused_moe_grouped
+
+
+@pytest.mark.parametrize("tokens,experts,topk", [(1, 8, 2), (9, 8, 2), (6, 4, 3)])
+def test_dense_static_shape_path_matches_reference(tokens, experts, topk) -> None:
+    from pagedllm.models.layers.moe_ops import fused_moe_dense
+
+    x, w13, w2, logits = _case(tokens, experts, 32, 24, seed=11 * tokens + topk)
+    for renormalize in (True, False):
+        torch.testing.assert_close(fused_moe_dense(x, w13, w2, logits, topk, renormalize),
+                                   fused_moe(x, w13, w2, logits, topk, renormalize),
+                                   rtol=1e-6, atol=1e-6)

@@ -86,6 +86,9 @@ class TpuBackend(Backend):
         from pagedllm.backends.tpu import ops as tpu_ops
 
         ops.register("linear", tpu_ops.linear)
+        from pagedllm.models.layers.moe_ops import fused_moe_dense
+
+        ops.register("fused_moe", fused_moe_dense)  # static shapes for XLA
 
     def cache_ops(self) -> CacheOps:
         from pagedllm.backends.tpu.cache_ops import XlaCacheOps

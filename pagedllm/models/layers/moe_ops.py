@@ -90,3 +90,19 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out.index_add_(0, tok[rows], y.to(out.dtype))
         start += n
     return out
+
+
+def fused_moe_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
+    """The static-shape path (tpu/XLA: no data-dependent shapes, one compiled graph per bucket):
+    every expert runs on every token and is weighted by its routing weight, zero for the experts
+    a token did not pick. E / topk times the reference's expert FLOPs; same expert order."""
+    check_shapes(hidden, w13, w2, gating_output, topk)
+    weights, ids = select_experts(gating_output, topk, renormalize)
+    # [T, E] routing weight of each expert for each token (0 where not chosen)
+    dense = torch.zeros(gating_output.shape, dtype=weights.dtype,
+                        device=weights.device).scatter(1, ids, weights)
+    out = torch.zeros_like(hidden)
+    for e in range(w13.shape[0]):
+        out = out + _expert(hidden, w13[e], w2[e], dense[:, e]).to(out.dtype)
+    return out
