@@ -11,6 +11,11 @@
 #   bash benchmarks/h200_run.sh conformance  # the porting kit's suite with --device cuda
 #   bash benchmarks/h200_run.sh profile      # ms per decode step at batch 256 and 1, with and
 #                                            # without steps scheduled ahead, + the GPU timeline
+#   bash benchmarks/h200_run.sh models [PRESET] # issue 31: Mixtral-8x7B and Qwen3-8B shapes (dummy
+#                                            # weights), 256 x 128/128, pagedllm vs HF + HBM
+#                                            # roofline (models_bench.py); ~4 min per preset, so
+#                                            # one call per preset: models mixtral-8x7b-shape,
+#                                            # then models qwen3-8b-shape
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
@@ -43,7 +48,7 @@ model() {
     --dtype bfloat16
 }
 
-case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profile}" in
+case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profile|models}" in
   tests)
     env_report
     /usr/bin/time -f "kernel build %e s" python -c \
@@ -84,6 +89,13 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
         --dtype bfloat16 --batch 256 --batch 1 --steps 20 --timeline $flag "${@:2}" \
         > "$OUT/profile${flag:+-plain}.log" 2>&1
       grep -A22 "ms per decode\|GPU timeline" "$OUT/profile${flag:+-plain}.log" | grep -v "^ \|^--\|^$"
+    done
+    ;;
+  models)
+    for preset in ${2:-mixtral-8x7b-shape qwen3-8b-shape}; do
+      timeout 290 python benchmarks/models_bench.py --device cuda --preset "$preset" \
+        --cache .carry --out-dir "$OUT/models" "${@:3}" 2>&1 | grep -v "^pagedllm" \
+        | tee "$OUT/models-$preset.log" | tail -12
     done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
