@@ -108,8 +108,6 @@ class OpenAIServingChat:
                         num_completion += len(c.token_ids)
                         if called and finish == "stop":
                             finish = "tool_calls"
-                    if not delta and not finished and logprobs is None:
-                        continue
                     parts.append(fmt_chunk.choice({
                         "index": i, "delta": delta or {"content": ""},
                         "logprobs": logprobs, "finish_reason": finish,
