@@ -72,7 +72,7 @@ ARCHES: dict[str, tuple[str, str, bool]] = {
 
 def make_config(preset: str, dtype: str) -> Any:
     """The config of ``preset``, built by its architecture's transformers config class
-    (initializer_range 0.02, bos=1, eos=2, pad=eos; embeddings tied only for Gemma-2)."""
+    (initializer_range 0.02, bos=1, eos=2; embeddings tied only for Gemma-2)."""
     import transformers
 
     kwargs = dict(PRESETS[preset])
@@ -82,7 +82,7 @@ def make_config(preset: str, dtype: str) -> Any:
     # transformers 5 keeps rope_theta inside rope_parameters; the keyword still sets it there.
     config = getattr(transformers, class_name)(
         **kwargs, rope_theta=rope_theta, initializer_range=0.02, bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID, pad_token_id=EOS_ID, tie_word_embeddings=tied)
+        eos_token_id=EOS_ID, tie_word_embeddings=tied)
     config.architectures = [architecture]
     config.dtype = dtype
     return config
