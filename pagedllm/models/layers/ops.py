@@ -69,8 +69,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ceil(vocab / 32)] int32 has a 0 bit (bit t % 32 of word t // 32 is token t; guided decoding's
     packed mask, built on the host by xgrammar)."""
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    # one int32 mask per bit (bit 31 is the sign bit); AND, not a right shift of signed words,
+    # which XLA lowers differently for negative words
+    bits = torch.tensor([1 << i for i in range(31)] + [-2**31], dtype=torch.int32,
+                        device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) & bits) != 0).flatten(1)[:, :vocab]
     logits.masked_fill_(~allowed, float("-inf"))
 
 
@@ -87,8 +90,7 @@ class Ops:
 
     NAMES = ("fused_moe", "rms_norm",
              "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
-             "gelu_tanh_and_mul",
-             "apply_token_bitmask", "quant_linear", "quant_linear_prepare")
+             "apply_token_bitmask", "quant_linear", "quant_linear_prepare", "gelu_tanh_and_mul")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
@@ -101,12 +103,12 @@ class Ops:
         self.linear_prepare: Callable[[torch.nn.Module], None] = linear_prepare
         self.greedy_logprobs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = \
             greedy_logprobs
-        self.apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = \
-            apply_token_bitmask
         # quantized linears (models/layers/quantization): x [T, in] -> [T, out]; prepare runs
         # once per layer after loading
         self.quant_linear: Callable[[torch.Tensor, Any], torch.Tensor] = quant_linear
         self.quant_linear_prepare: Callable[[torch.nn.Module], None] = quant_linear_prepare
+        self.apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = \
+            apply_token_bitmask
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         if name not in self.NAMES:
