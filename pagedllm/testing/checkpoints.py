@@ -35,20 +35,6 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=80,
                                   intermediate_size=128, rms_norm_eps=1e-6,
                                   tie_word_embeddings=False)),
-    # sliding layers (window 6) alternate with global ones; soft caps small enough to matter;
-    # query_pre_attn_scalar != head_dim
-    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                                    query_pre_attn_scalar=24, sliding_window=6,
-                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-                                    num_hidden_layers=3)),
-    # local rope base 10k on sliding layers (window 5), 1M with linear scaling on global ones
-    "gemma3": ("Gemma3TextConfig", dict(
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, query_pre_attn_scalar=24,
-        sliding_window=5, num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                            "rope_theta": 1000000.0}})),
     # LongRoPE switching to its long factors at 70 tokens (prompts up to 64 tokens,
     # continuations past 70), half of each 32-channel head rotated
     "phi3": ("Phi3Config", dict(hidden_size=128, num_key_value_heads=2, intermediate_size=128,
