@@ -19,6 +19,7 @@ source "$ROOT/.ci/cached_venv.sh"
 REQUIREMENTS=(torch==2.9.0 torch-xla==2.9.0 transformers==5.24.0 tokenizers safetensors numpy
               tqdm jinja2 pytest pytest-timeout)
 VENV="$(cached_venv tpu "${REQUIREMENTS[@]}")"
+[ "${1:-}" = --prepare ] && exit 0  # .ci/run builds the venv early, in the background
 VPY="$VENV/bin/python"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false

@@ -19,6 +19,7 @@ source "$ROOT/.ci/cached_venv.sh"
 REQUIREMENTS=(torch==2.8.0 intel-extension-for-pytorch==2.8.0 transformers==4.57.6 tokenizers
               safetensors numpy tqdm jinja2 pytest pytest-timeout)
 VENV="$(cached_venv xpu "${REQUIREMENTS[@]}")"
+[ "${1:-}" = --prepare ] && exit 0  # .ci/run builds the venv early, in the background
 VPY="$VENV/bin/python"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
