@@ -77,17 +77,19 @@ def make_workload(name: str, vocab: list[int], seed: int, warmup: bool = False
 
 def work_flops(config: dict[str, Any], prompts: list[list[int]], outs: list[int],
                shared_prefix: int = 0) -> float:
-    """FLOPs the workload needs: 2 x weights per token (prompt and output) plus attention
-    (4 x layers x q_width per (query, key) pair, causal); a prefix shared by every prompt is
-    counted once (prefix caching computes it once)."""
-    weights = tp.weight_count(config)
+    """FLOPs the workload needs: 2 x layer weights per token (prompt and output), 2 x the LM
+    head per sampled token (one per output token: the engines compute logits only for the rows
+    they sample), plus attention (4 x layers x q_width per (query, key) pair, causal); a prefix
+    shared by every prompt is counted once (prefix caching computes it once)."""
+    head = config["vocab_size"] * config["hidden_size"]
+    weights = tp.weight_count(config) - head  # the layers' matmul weights
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
     q = heads * (config.get("head_dim") or config["hidden_size"] // heads)
     total = 0.0
     for i, (p, o) in enumerate(zip(prompts, outs)):
         cached = shared_prefix if i else 0
         new = len(p) - cached
-        total += 2.0 * weights * (new + o)
+        total += 2.0 * weights * (new + o) + 2.0 * head * o
         pairs = (len(p) ** 2 - cached ** 2) / 2 + o * (len(p) + o / 2)
         total += 4.0 * layers * q * pairs
     return total

@@ -39,11 +39,13 @@ def test_workload_lengths() -> None:
 def test_work_flops_by_hand() -> None:
     config = dict(hidden_size=8, intermediate_size=16, vocab_size=10, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
-    weights = 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16) + 10 * 8  # layers + lm_head
-    # one prompt of 4 tokens, 2 out: 6 tokens through the weights; (query, key) pairs: the
-    # prompt's 4^2 / 2 plus 2 outputs at contexts 4 + 1 (the formula's mean of 4 + 2 / 2)
-    want = 2.0 * weights * 6 + 4.0 * 2 * 8 * (16 / 2 + 2 * (4 + 1))
+    layers, head = 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16), 10 * 8
+    # one prompt of 4 tokens, 2 out: 6 tokens through the layers, 2 sampled rows through the
+    # LM head; (query, key) pairs: the prompt's 4^2 / 2 plus 2 outputs at contexts 4 + 1 (the
+    # formula's mean of 4 + 2 / 2)
+    want = 2.0 * layers * 6 + 2.0 * head * 2 + 4.0 * 2 * 8 * (16 / 2 + 2 * (4 + 1))
     assert workloads.work_flops(config, [[1, 2, 3, 4]], [2]) == pytest.approx(want)
     # a prefix shared by both prompts is counted once
     two = workloads.work_flops(config, [[1, 2, 3, 4], [1, 2, 3, 4]], [2, 2], shared_prefix=4)
-    assert two == pytest.approx(want + 2.0 * weights * 2 + 4.0 * 2 * 8 * 2 * (4 + 1))
+    assert two == pytest.approx(want + 2.0 * layers * 2 + 2.0 * head * 2
+                                + 4.0 * 2 * 8 * 2 * (4 + 1))
