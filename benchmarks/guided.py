@@ -109,6 +109,10 @@ def run_engine(backend: str, args: argparse.Namespace) -> dict[str, Any]:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", TOKENIZERS_PARALLELISM="false")
+        if backend == "vllm":  # hides the vLLM venv's broken torchvision builds (_vllm_site/)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "benchmarks" /
+                                                                  "_vllm_site"),
+                                                              env.get("PYTHONPATH")]))
         proc = subprocess.run([python, __file__, "--worker", str(spec_path), str(out_path)],
                               env=env, cwd=REPO_ROOT)
         if proc.returncode != 0 or not out_path.exists():
