@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,6 +44,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_ready(server: Any) -> None:
+    """Until ``server`` (``.proc``, ``.base_url``, ``.logs()``, ``.stop()``) answers GET /health
+    with 200; raises with its log when it exits first or is not ready in STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.logs()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{server.logs()}")
+
+
 class CliServer:
     def __init__(self, argv: list[str], log_path: Path) -> None:
         self.port = free_port()
@@ -54,18 +72,7 @@ class CliServer:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.logs()}")
+        wait_ready(self)
 
     def logs(self) -> str:
         self._log.flush()
