@@ -14,8 +14,8 @@ from torch import nn
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,
-                                           QKVParallelLinear, RowParallelLinear)
+from pagedllm.models.llama import LlamaMLP
+from pagedllm.models.layers.linear import LayerContext, QKVParallelLinear, RowParallelLinear
 from pagedllm.models.layers.pipeline import (PPMissingLayer, empty_intermediate, is_pp_missing,
                                              make_layers)
 from pagedllm.models.layers.rotary import RotaryEmbedding
@@ -82,20 +82,17 @@ class Gemma2Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Gemma2MLP(nn.Module):
-    def __init__(self, config: Any, ctx: LayerContext) -> None:
-        super().__init__()
+class Gemma2MLP(LlamaMLP):
+    """Llama's gated MLP with GELU-tanh (no biases: Gemma configs have no mlp_bias)."""
+
+    act_op = "gelu_tanh_and_mul"
+
+    @staticmethod
+    def check_activation(config: Any) -> None:
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in GELU_TANH:
             raise ValueError(f"hidden_activation={act!r} is not supported; supported: "
                              f"{', '.join(GELU_TANH)}")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, ctx)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, ctx)
-        self.ctx = ctx
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ctx.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma2DecoderLayer(nn.Module):

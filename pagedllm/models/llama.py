@@ -59,16 +59,23 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, ctx: LayerContext) -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu'")
+        self.check_activation(config)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, ctx)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx)
         self.ctx = ctx
 
+    # the ops-registry op (looked up per call, as the backend may replace it) applying the activation to the gate half times the up half
+    act_op = "silu_and_mul"
+
+    @staticmethod
+    def check_activation(config: Any) -> None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu'")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ctx.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(getattr(self.ctx.ops, self.act_op)(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
