@@ -56,7 +56,8 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     timeout 280 python -m pytest -q -p no:cacheprovider tests/kernels -k "not emulated" \
       -x --durations=5 2>&1 | tee "$OUT/kernels.log" | tail -15
     timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_backend.py \
-      tests/backends/test_triton_sampling.py --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
+      tests/backends/test_triton_sampling.py tests/backends/test_triton_moe.py \
+      tests/backends/test_triton_bitmask.py --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
     ;;
   kernel)
     python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"
@@ -80,7 +81,8 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     ;;
   conformance)
     timeout 400 python -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin \
-      --pyargs pagedllm.testing --device cuda 2>&1 | tee "$OUT/conformance.log" | tail -6
+      --pyargs pagedllm.testing --device cuda \
+      --conformance-report "$OUT/cuda.json" 2>&1 | tee "$OUT/conformance.log" | tail -6
     ;;
   profile)
     model
