@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from pagedllm.entrypoints.openai.engine_client import child_pids as children
+
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -21,18 +23,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (Linux /proc)."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found
 
 
 def alive(pid: int) -> bool:
