@@ -16,6 +16,10 @@
 #                                            # roofline (models_bench.py); ~4 min per preset, so
 #                                            # one call per preset: models mixtral-8x7b-shape,
 #                                            # then models qwen3-8b-shape
+#   bash benchmarks/h200_run.sh quant        # issue 32: Llama-3-8B shape, GPTQ 4-bit vs bf16 batch 1
+#                                            # 128/128, then FP8 vs bf16 1000 x 128/128
+#   bash benchmarks/h200_run.sh guided       # issue 33: JSON schema on every request vs none,
+#                                            # demo model bf16, 256 x 64 tokens, + cold-schema TTFT
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
@@ -99,6 +103,18 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
         --cache .carry --out-dir "$OUT/models" "${@:3}" 2>&1 | grep -v "^pagedllm" \
         | tee "$OUT/models-$preset.log" | tail -12
     done
+    ;;
+  quant)
+    Q=(python benchmarks/quant.py --device cuda --preset llama3-8b-shape --input-len 128
+       --output-len 128 --repeats 1)
+    timeout 280 "${Q[@]}" --variants bf16,int4 --num-prompts 1 2>&1 | tee "$OUT/quant-batch1.log" \
+      | tail -6
+    timeout 280 "${Q[@]}" --variants bf16,fp8 --num-prompts 1000 2>&1 \
+      | tee "$OUT/quant-fp8.log" | tail -6
+    ;;
+  guided)
+    timeout 280 python benchmarks/guided.py --device cuda --dtype bfloat16 --num-prompts 256 \
+      --repeats 3 2>&1 | tee "$OUT/guided.log" | tail -6
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
