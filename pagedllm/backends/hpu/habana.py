@@ -44,6 +44,11 @@ def mark_step(device: torch.device) -> None:
         htcore.mark_step()
 
 
+def records_graphs(device: torch.device) -> bool:
+    """Whether ``wrap_in_hpu_graph`` records graphs on ``device`` (a Gaudi; not a CPU stand-in)."""
+    return device.type == "hpu"
+
+
 def wrap_in_hpu_graph(module: Any, device: torch.device) -> Any:
     """Record the module's launches as an HPU graph per input shape and replay them."""
     if device.type != "hpu":

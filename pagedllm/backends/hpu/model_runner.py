@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,15 @@ def _pad_rows(rows: list[int], batch: int) -> torch.Tensor:
 
 class HpuModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int,
-                 buckets: HpuBuckets) -> None:
+                 buckets: HpuBuckets, graph_counters: Counter[str] | None = None) -> None:
         super().__init__(model, block_size, device, seed)
         self.sampler = Sampler(torch.device("cpu"), seed)
         self.buckets = buckets
         self.shapes_run: set[SubStep] = set()
+        # when the model runs as an HPU graph (the worker passes its counters): an HPU graph is
+        # recorded per input shape on its first run and replayed after, and every input shape is
+        # a sub-step's bucket, so a bucket's first run is a capture and each later one a replay
+        self.graph_counters = graph_counters
 
     # --- inputs --------------------------------------------------------------------------
     def prepare_prefill(self, seqs: list[ScheduledSeq]) -> ModelInput:
@@ -104,7 +109,11 @@ class HpuModelRunner(ModelRunner):
         habana.mark_step(self.device)
         logits = self.model.compute_logits(hidden[inp.logit_rows])
         habana.mark_step(self.device)
-        self.shapes_run.add(inp.metadata.extras["step"])
+        step = inp.metadata.extras["step"]
+        if self.graph_counters is not None:
+            self.graph_counters["graph_replays" if step in self.shapes_run
+                                else "graph_captures"] += 1
+        self.shapes_run.add(step)
         real = len(inp.sample_rows) + sum(n for _, n, _ in inp.prompt_rows)
         return logits.cpu()[:real]
 
