@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_args.h"
 #include "attention_vec.h"
 
 namespace {
@@ -41,17 +42,10 @@ namespace {
 // the kernel
 // ---------------------------------------------------------------------------------------------
 
-struct Layout {
-  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
-  int64_t group;                          // query heads per kv head
-  int64_t kv_heads_per_task;              // the last task of a sequence may get fewer
-  int64_t q_seq, q_head;                  // query strides
-  int64_t o_seq, o_head;                  // out strides
-  int64_t c_kv, c_block, c_slot, c_head;  // kv_cache strides (dims 0-3)
-  int64_t table_stride;                   // block_tables stride(0)
-  float scale;
-  int64_t window;  // > 0: the query (at position len - 1) sees the last `window` tokens only
-  float soft_cap;  // > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax
+// The shared geometry (attention_args.h; a "token" is a sequence here) and the work split.
+struct Layout : AttentionGeometry {
+  int64_t num_seqs;
+  int64_t kv_heads_per_task;  // the last task of a sequence may get fewer
 };
 
 // One thread's buffers, sized for the longest sequence and reused by its tasks. A task's "rows"
@@ -106,7 +100,7 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
     s.slots[t] = blocks[pos / l.block_size] * l.c_block + (pos % l.block_size) * l.c_slot;
   }
 
-  const scalar_t* q_rows = query + seq * l.q_seq + h0 * group * l.q_head;
+  const scalar_t* q_rows = query + seq * l.q_tok + h0 * group * l.q_head;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < d; ++i) {
       s.query[r * d + i] = static_cast<float>(q_rows[r * l.q_head + i]) * l.scale;
@@ -135,7 +129,7 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   }
 
   // out_r = sum_t exp(logit[r, t] - max) * v_t / sum_t exp(logit[r, t] - max)
-  scalar_t* out_rows = out + seq * l.o_seq + h0 * group * l.o_head;
+  scalar_t* out_rows = out + seq * l.o_tok + h0 * group * l.o_head;
   float* acc = s.query.data();  // the scaled query rows are not needed any more
   for (int64_t h = 0; h < nh; ++h) {
     rows_as_float(v_base + h * l.c_head, 0, len, d, s);
@@ -202,41 +196,13 @@ int64_t kv_heads_per_task(int64_t num_seqs, int64_t num_kv_heads) {
 // argument checks (all before any task runs) and the entry point
 // ---------------------------------------------------------------------------------------------
 
-void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-  for (const at::Tensor* t : {&out, &query, &kv_cache, &block_tables, &seq_lens}) {
-    TORCH_CHECK(t->device().is_cpu(), "paged_attention_decode: every tensor must be on the CPU, "
-                "got one on ", t->device());
-  }
-  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size], got shape ",
-              query.sizes());
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], got shape ",
-              kv_cache.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the shape of query ", query.sizes(),
-              ", got ", out.sizes());
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "query must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "query, out and kv_cache must have one dtype, got query ", dtype, ", out ",
-              out.scalar_type(), ", kv_cache ", kv_cache.scalar_type());
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
-              "query, out and kv_cache must be contiguous in their last (head_size) dim, got "
-              "strides ", query.strides(), ", ", out.strides(), ", ", kv_cache.strides());
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_size ", kv_cache.size(4),
-              " differs from query head_size ", query.size(2));
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
-              " must be a multiple of the cache's num_kv_heads=", num_kv_heads);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.size(0) == num_seqs,
-              "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ",
-              block_tables.scalar_type(), " ", block_tables.sizes());
-  TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1,
-              "block_tables must be contiguous in its last dim, got strides ",
-              block_tables.strides());
+// What attention_args.h leaves to each kernel: one block-table row and one length per sequence.
+void check_decode_args(const at::Tensor& query, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens) {
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must be int32 [num_seqs=",
+              num_seqs, ", max_blocks], got ", block_tables.scalar_type(), " ",
+              block_tables.sizes());
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == num_seqs,
               "seq_lens must be int32 [num_seqs=", num_seqs, "], got ", seq_lens.scalar_type(),
@@ -268,29 +234,13 @@ int64_t check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, int64_t sliding_window, double soft_cap) {
-  check_shapes(out, query, kv_cache, block_tables, seq_lens);
-  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
-  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
   Layout l;
+  static_cast<AttentionGeometry&>(l) = check_attention_args(
+      "paged_attention_decode", out, query, kv_cache, block_tables, scale, sliding_window,
+      soft_cap, {&seq_lens});
+  check_decode_args(query, block_tables, seq_lens);
   l.num_seqs = query.size(0);
-  l.num_heads = query.size(1);
-  l.head_size = query.size(2);
-  l.block_size = kv_cache.size(2);
-  l.num_kv_heads = kv_cache.size(3);
-  l.group = l.num_heads / l.num_kv_heads;
   l.kv_heads_per_task = kv_heads_per_task(l.num_seqs, l.num_kv_heads);
-  l.q_seq = query.stride(0);
-  l.q_head = query.stride(1);
-  l.o_seq = out.stride(0);
-  l.o_head = out.stride(1);
-  l.c_kv = kv_cache.stride(0);
-  l.c_block = kv_cache.stride(1);
-  l.c_slot = kv_cache.stride(2);
-  l.c_head = kv_cache.stride(3);
-  l.table_stride = block_tables.stride(0);
-  l.scale = static_cast<float>(scale);
-  l.window = sliding_window;
-  l.soft_cap = static_cast<float>(soft_cap);
   const int64_t max_len = check_tables(block_tables, seq_lens, kv_cache.size(1), l.block_size);
   if (l.num_seqs == 0 || l.num_heads == 0 || l.head_size == 0) return;
 
@@ -300,7 +250,7 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
     case at::kBFloat16:
       return run_for_head_size<c10::BFloat16>(l, out, query, kv_cache, block_tables, seq_lens,
                                               max_len);
-    default:  // float16: check_shapes allows nothing else
+    default:  // float16: check_attention_args allows nothing else
       return run_for_head_size<c10::Half>(l, out, query, kv_cache, block_tables, seq_lens,
                                           max_len);
   }

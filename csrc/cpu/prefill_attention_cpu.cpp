@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_args.h"
 #include "attention_vec.h"
 
 namespace {
@@ -44,15 +45,7 @@ namespace {
 constexpr int64_t kQueryTile = 16;  // query tokens per task
 constexpr int64_t kKeyTile = 32;    // keys per online-softmax step (a multiple of kTile)
 
-struct PrefillLayout {
-  int64_t num_heads, num_kv_heads, head_size, block_size, group;
-  int64_t q_tok, q_head, o_tok, o_head;   // query / out strides
-  int64_t c_kv, c_block, c_slot, c_head;  // kv_cache strides (dims 0-3)
-  int64_t table_stride;
-  float scale;
-  int64_t window;  // > 0: sliding window
-  float soft_cap;  // > 0: soft cap
-};
+using PrefillLayout = AttentionGeometry;  // attention_args.h
 
 struct Task {
   int64_t seq, kv_head, first, last;  // queries [first, last) of the sequence (0-based in chunk)
@@ -200,33 +193,9 @@ void run_prefill(const PrefillLayout& l, const std::vector<Task>& tasks, at::Ten
   });
 }
 
-void check_prefill_args(const at::Tensor& out, const at::Tensor& query,
-                        const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
-  for (const at::Tensor* t : {&out, &query, &kv_cache, &block_tables, &query_start_loc, &seq_lens}) {
-    TORCH_CHECK(t->device().is_cpu(), "paged_attention_prefill: every tensor must be on the CPU, "
-                "got one on ", t->device());
-  }
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got shape ",
-              query.sizes());
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], got shape ",
-              kv_cache.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the shape of query ", query.sizes(),
-              ", got ", out.sizes());
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "query must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "query, out and kv_cache must have one dtype, got query ", dtype, ", out ",
-              out.scalar_type(), ", kv_cache ", kv_cache.scalar_type());
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
-              "query, out and kv_cache must be contiguous in their last (head_size) dim, got "
-              "strides ", query.strides(), ", ", out.strides(), ", ", kv_cache.strides());
-  TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_size ", kv_cache.size(4),
-              " differs from query head_size ", query.size(2));
-  TORCH_CHECK(kv_cache.size(3) > 0 && query.size(1) % kv_cache.size(3) == 0, "num_heads=",
-              query.size(1), " must be a multiple of the cache's num_kv_heads=", kv_cache.size(3));
+// What attention_args.h leaves to each kernel: the query offsets and lengths per sequence.
+void check_prefill_args(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens) {
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1,
               "seq_lens must be int32 [num_seqs], got ", seq_lens.scalar_type(), " ",
@@ -235,38 +204,18 @@ void check_prefill_args(const at::Tensor& out, const at::Tensor& query,
                   query_start_loc.size(0) == num_seqs + 1,
               "query_start_loc must be int32 [num_seqs + 1 = ", num_seqs + 1, "], got ",
               query_start_loc.scalar_type(), " ", query_start_loc.sizes());
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.size(0) == num_seqs &&
-                  (block_tables.size(1) <= 1 || block_tables.stride(1) == 1),
-              "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], contiguous in "
-              "its last dim, got ", block_tables.scalar_type(), " ", block_tables.sizes());
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must be int32 [num_seqs=",
+              num_seqs, ", max_blocks], got ", block_tables.sizes());
 }
 
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                              double soft_cap) {
-  check_prefill_args(out, query, kv_cache, block_tables, query_start_loc, seq_lens);
-  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
-  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
-  PrefillLayout l;
-  l.num_heads = query.size(1);
-  l.head_size = query.size(2);
-  l.block_size = kv_cache.size(2);
-  l.num_kv_heads = kv_cache.size(3);
-  l.group = l.num_heads / l.num_kv_heads;
-  l.q_tok = query.stride(0);
-  l.q_head = query.stride(1);
-  l.o_tok = out.stride(0);
-  l.o_head = out.stride(1);
-  l.c_kv = kv_cache.stride(0);
-  l.c_block = kv_cache.stride(1);
-  l.c_slot = kv_cache.stride(2);
-  l.c_head = kv_cache.stride(3);
-  l.table_stride = block_tables.stride(0);
-  l.scale = static_cast<float>(scale);
-  l.window = sliding_window;
-  l.soft_cap = static_cast<float>(soft_cap);
+  const PrefillLayout l = check_attention_args(
+      "paged_attention_prefill", out, query, kv_cache, block_tables, scale, sliding_window,
+      soft_cap, {&query_start_loc, &seq_lens});
+  check_prefill_args(block_tables, query_start_loc, seq_lens);
 
   const auto starts = query_start_loc.accessor<int32_t, 1>();
   const auto lens = seq_lens.accessor<int32_t, 1>();
@@ -308,7 +257,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
     case at::kBFloat16:
       return run_prefill<c10::BFloat16>(l, tasks, out, query, kv_cache, block_tables, q_starts,
                                         contexts);
-    default:  // float16: check_prefill_args allows nothing else
+    default:  // float16: check_attention_args allows nothing else
       return run_prefill<c10::Half>(l, tasks, out, query, kv_cache, block_tables, q_starts,
                                     contexts);
   }

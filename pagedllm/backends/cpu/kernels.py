@@ -5,8 +5,9 @@ library, once) into the shared kernel cache (pagedllm/backends/kernel_build.py:
 $PAGEDLLM_CACHE_DIR, default ~/.cache/pagedllm/kernels/<hash of torch version, sources and
 flags>); later processes load the cached libraries. Two libraries, each built for its own ISA
 (``LIBRARIES``): the attention (paged_attention_cpu.cpp: decode, prefill_attention_cpu.cpp:
-prefill; shared helpers in attention_vec.h) is written for AVX2, the layer
-ops and the greedy sampler (layer_ops_cpu.cpp, sampling_cpu.cpp) follow torch's own CPU kernels
+prefill; shared checks in attention_args.h, vector helpers in attention_vec.h) is written for AVX2, the layer
+ops, the greedy sampler and guided decoding's token mask (layer_ops_cpu.cpp, sampling_cpu.cpp,
+bitmask_cpu.cpp) follow torch's own CPU kernels
 (AVX-512 where torch runs AVX-512), so that their vectorized exp and log are torch's and bf16/fp16
 convert 16 lanes at a time. Both register
 with torch's dispatcher as ``torch.ops.pagedllm_cpu.*``, and that namespace is what
@@ -35,11 +36,11 @@ ENABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     # defines the op namespace; decode and prefill attention
     "pagedllm_cpu": (("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"), "avx2"),
-    "pagedllm_cpu_layers": (("layer_ops_cpu.cpp", "sampling_cpu.cpp"), "torch"),
+    "pagedllm_cpu_layers": (("layer_ops_cpu.cpp", "sampling_cpu.cpp", "bitmask_cpu.cpp"), "torch"),
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)
-HEADERS = ("attention_vec.h",)
+HEADERS = ("attention_args.h", "attention_vec.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
            "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
