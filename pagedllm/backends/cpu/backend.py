@@ -97,7 +97,8 @@ class CpuBackend(Backend):
     def register_ops(self, ops: Ops) -> None:
         """oneDNN linears with pre-packed weights (ops.py); rms_norm, rotary and silu_and_mul on
         the csrc/cpu layer kernels (float32, bfloat16, float16) and greedy_logprobs on the csrc/cpu
-        sampler (layer_ops.py) where the cpu kernels load, unless attention_backend="torch"."""
+        sampler (layer_ops.py) and apply_token_bitmask on the csrc/cpu mask kernel (bitmask.py)
+        where the cpu kernels load, unless attention_backend="torch"."""
         from pagedllm.backends.cpu import ops as cpu_ops
         from pagedllm.backends.cpu import quant_ops
         from pagedllm.models.layers.moe_ops import fused_moe_grouped
@@ -117,6 +118,7 @@ class CpuBackend(Backend):
 
         for name, fn in layer_ops(kernels).items():
             ops.register(name, fn)
+        ops.register("apply_token_bitmask", bitmask.native_apply_token_bitmask(kernels))
 
     def worker_cls(self) -> type[Worker]:
         from pagedllm.backends.cpu.worker import CpuWorker
