@@ -134,6 +134,7 @@ class Backend(ABC):
             raise ValueError(f"dtype={model.dtype!r} is not supported by the {self.name} backend; "
                              f"supported: {', '.join(caps.dtypes)}")
         _check_quantization(self.name, caps, config)
+        _check_attention_limits(self.name, caps, config)
         if config.cache.block_size not in caps.block_sizes:
             raise ValueError(f"block_size={config.cache.block_size} is not supported by the "
                              f"{self.name} backend; supported: {caps.block_sizes}")
@@ -217,3 +218,25 @@ def _check_quantization(backend: str, caps: Capabilities, config: EngineConfig) 
     if cache_dtype != "auto" and cache_dtype not in caps.kv_cache_dtypes:
         raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported by the {backend} "
                          f"backend; supported: {', '.join(caps.kv_cache_dtypes)}")
+
+
+def _check_attention_limits(backend: str, caps: Capabilities, config: EngineConfig) -> None:
+    """Refuse a model outside the attention limits the backend declares (head sizes, GQA group,
+    context length), naming the field, the model's value and what the backend declares."""
+    model = config.model
+    if model.hf_config is not None:
+        head_size = model.get_head_size()
+        if head_size not in caps.head_sizes:
+            raise ValueError(f"head_size={head_size} (the model's) is not supported by the "
+                             f"{backend} backend; it declares head_sizes="
+                             f"{', '.join(map(str, caps.head_sizes))}")
+        heads, kv_heads = model.get_num_heads(), model.get_num_kv_heads()
+        group = heads // max(kv_heads, 1)
+        if caps.max_gqa_group is not None and group > caps.max_gqa_group:
+            raise ValueError(f"GQA group {group} (num_attention_heads={heads} / "
+                             f"num_key_value_heads={kv_heads}) exceeds the {backend} backend's "
+                             f"max_gqa_group={caps.max_gqa_group}")
+    if caps.max_context_len is not None and model.max_model_len > caps.max_context_len:
+        raise ValueError(f"max_model_len={model.max_model_len} exceeds the {backend} backend's "
+                         f"max_context_len={caps.max_context_len}; pass max_model_len <= "
+                         f"{caps.max_context_len}")

@@ -21,8 +21,11 @@ class CudaBackend(Backend):
     dist_backend = "nccl"
     default_dtype = "bfloat16"
     capabilities = Capabilities(graphs=True, swap=True, static_shapes=False, prefix_caching=True,
-                                # csrc/paged_attention.cu's head-size switch; its GQA tiles 1/4/8
-                                head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
+                                # csrc/paged_attention.cu's head-size switch (64-256; its GQA
+                                # tiles 1/4/8); 16-72 and 192 run the torch attention, eager
+                                # (check_and_update_config): the engine refuses other sizes
+                                head_sizes=(16, 32, 40, 64, 72, 80, 96, 112, 128, 192, 256),
+                                max_gqa_group=8,
                                 chunked_prefill=True, dtypes=("bfloat16", "float16", "float32"),
                                 preferred_block_size=16, block_sizes=(16, 32), async_output=True,
                                 pipeline_parallel=True,

@@ -33,7 +33,10 @@ class HpuBackend(Backend):
     capabilities = Capabilities(graphs=True, swap=True, static_shapes=True, prefix_caching=False,
                                 chunked_prefill=False, dtypes=("bfloat16", "float32"),
                                 preferred_block_size=HPU_BLOCK_SIZE,
-                                block_sizes=(HPU_BLOCK_SIZE,), max_tensor_parallel_size=1)
+                                block_sizes=(HPU_BLOCK_SIZE,), max_tensor_parallel_size=1,
+                                # flat_attention.py is plain torch (any head size); these are
+                                # the sizes of real models and of the tests' tiny ones
+                                head_sizes=(16, 32, 40, 64, 72, 80, 96, 112, 128, 192, 256))
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -38,7 +38,8 @@ class TpuBackend(Backend):
     dist_backend = "xla"
     default_dtype = "bfloat16"
     capabilities = Capabilities(graphs=False, swap=False, static_shapes=True,
-                                head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
+                                # 16 and 32: the tiny models of tests/backends/test_tpu.py
+                                head_sizes=(16, 32, 64, 80, 96, 112, 128, 256), max_gqa_group=8,
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float32"), preferred_block_size=16,
                                 block_sizes=(16, 32, 64, 128), max_tensor_parallel_size=1,
