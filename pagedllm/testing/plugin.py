@@ -25,6 +25,7 @@ SUITE_PREFIX = "pagedllm.testing."
 DEFAULT_DEVICE = "cpu"
 _COVERAGE = pytest.StashKey[Coverage]()
 _BACKEND_CLS = pytest.StashKey["type[Backend] | None"]()
+_SAMPLED_OUT = pytest.StashKey[set]()  # node ids --conformance-sample leaves out
 
 
 # --- options and markers -------------------------------------------------------------------
@@ -45,6 +46,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="PATH", help="write the run's results as JSON (commit, backend, "
                     "package version, each check's status with its max error and NMSE, the "
                     "PASS/FAIL/NOT DECLARED matrix); docs/porting.md describes the format")
+    group.addoption("--conformance-sample", dest="pagedllm_sample", default=None, metavar="N",
+                    help="run at most N cases of each check (raised where needed so every "
+                    "declared parameter value runs once; the rest are reported SKIPPED, sampled "
+                    "out). For slow, emulated backends. Default: $PAGEDLLM_CONFORMANCE_SAMPLE "
+                    "or all")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -183,11 +189,36 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     _check_backend(config)
     cov = config.stash[_COVERAGE]
+    _sample(config, suite)
     for item in suite:
         cov.area_of[item.nodeid] = getattr(item.module, "AREA", item.module.__name__)
         cov.needs_of[item.nodeid] = _needs(item)
         cov.label_of[item.nodeid] = f"{item.module.__name__.rsplit('.', 1)[-1]}::{item.name}"
         cov.dims_of[item.nodeid] = _dims(item, cov.area_of[item.nodeid], cov.needs_of[item.nodeid])
+
+
+def _sample(config: pytest.Config, suite: list[pytest.Item]) -> None:
+    """--conformance-sample: which declared cases this run leaves out (sample.py)."""
+    from pagedllm.testing.sample import engine_skip, sample_limit, sampled_out
+
+    try:
+        limit = sample_limit(config.getoption("pagedllm_sample", None))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    config.stash[_SAMPLED_OUT] = set()
+    if limit is None:
+        return
+    cls = _backend_class(config)
+    assert cls is not None
+
+    def declared(item: pytest.Item) -> bool:
+        return (engine_skip(cls, item.module) is None
+                and all(has_capability(cls.capabilities, n) for n in _needs(item)))
+
+    config.stash[_SAMPLED_OUT] = sampled_out(suite, limit, declared)
+    cov = config.stash[_COVERAGE]
+    cov.header += (f"; sampled: at most {limit} case(s) per check, every declared value once "
+                   f"({len(config.stash[_SAMPLED_OUT])} cases sampled out)")
 
 
 def _dims(item: pytest.Item, area: str, needs: list[str]) -> CheckDims:
@@ -253,6 +284,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} with attention {choice!r} "
                         f"{NOT_DECLARED}{capability_label(need)}")
+    from pagedllm.testing.sample import SAMPLED_OUT, engine_skip
+
+    reason = engine_skip(cls, item.module)
+    if reason:
+        pytest.skip(reason)
+    if item.nodeid in item.config.stash.get(_SAMPLED_OUT, set()):
+        pytest.skip(f"{SAMPLED_OUT} (--conformance-sample): another case of this check runs "
+                    "each of its declared parameter values")
 
 
 def _chosen_attention_supports(cls: type[Backend], need: str) -> bool:

@@ -10,6 +10,7 @@ from pagedllm.backends.interface import Backend, Capabilities
 from pagedllm.testing.e2e import MAX_TOKENS, first_mismatch
 
 AREA = "bucketing (static shapes)"
+NEEDS_ENGINE = True  # runs an LLM on the device (skipped for kernel-only backends)
 
 
 @pytest.mark.capability("static_shapes")

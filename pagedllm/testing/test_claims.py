@@ -17,6 +17,7 @@ from pagedllm.testing.e2e import engine_greedy, first_mismatch
 from pagedllm.testing.test_e2e import make_llm
 
 AREA = "claims (graphs, async, TP)"
+NEEDS_ENGINE = True  # runs an LLM on the device (skipped for kernel-only backends)
 CAPABILITY_OF = {"test_tensor_parallel_where_this_machine_can": "tensor parallel 2"}
 
 

@@ -11,6 +11,7 @@ from pagedllm.testing.e2e import MAX_TOKENS, blocks_needed, engine_greedy, first
 from pagedllm.testing.invariants import assert_drained
 
 AREA = "end-to-end (HF equality)"
+NEEDS_ENGINE = True  # runs an LLM on the device (skipped for kernel-only backends)
 
 
 def _tight_cache(caps: Capabilities) -> int:
