@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_model import make_config, make_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quant")
+LOWP_MODE_ENV = "PAGEDLLM_CPU_QUANT_LOWP_MODE"  # backends/cpu/quant_ops.py
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "bf16": None,
@@ -43,6 +44,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
              "sym": True},
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},  # FP8 at load time
 }
+# variant -> (the checkpoint it loads, the cpu backend's lowp mode: quant_ops.py)
+MODES: dict[str, tuple[str, str]] = {v: (v, "none") for v in VARIANTS}
+MODES["int8-lowp"] = ("int8", "int8")  # the INT8 checkpoint computed in INT8
 
 
 def model_dir(root: Path, variant: str, preset: str) -> Path:
@@ -113,18 +117,19 @@ def main() -> None:
     if args.no_kernels:
         os.environ["PAGEDLLM_CPU_QUANT_KERNELS"] = "0"
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - set(VARIANTS)
+    unknown = set(variants) - set(MODES)
     if unknown:
-        raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {list(MODES)}")
     rng = random.Random(0)
     vocab = make_config(args.preset, "bfloat16").vocab_size
     prompts = [[rng.randint(3, vocab - 1) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     results: dict[str, dict[str, Any]] = {v: {"tok_s": []} for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {v: model_dir(Path(tmp), v, args.preset) for v in variants}
+        paths = {v: model_dir(Path(tmp), MODES[v][0], args.preset) for v in variants}
         for _ in range(args.repeats):
             for v in variants:
+                os.environ[LOWP_MODE_ENV] = MODES[v][1]
                 tok_s, weight_bytes = run(paths[v], prompts, args.output_len, args.device)
                 results[v]["tok_s"].append(tok_s)
                 results[v]["weight_bytes"] = weight_bytes

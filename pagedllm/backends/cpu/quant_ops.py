@@ -11,6 +11,17 @@ Both run in the activation dtype with float accumulation (exact to float32 round
 models). Other layouts (grouped INT8, act order, FP8 weights) keep the reference
 dequantize-and-multiply. The packed weights replace the codes (the INT4 packing is half a byte
 per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
+
+Low-precision compute mode (IPEX's ``lowp_mode``), PAGEDLLM_CPU_QUANT_LOWP_MODE:
+  - ``none`` (default): weight-only, as above: activations stay in the model dtype, so results
+    match the dequantized reference to float rounding;
+  - ``int8``: the per-channel symmetric INT8 route computes in INT8 (quant_lowp.py): each token's
+    activations are quantized dynamically to int8 (one scale per token, amax / 127), multiplied
+    with the int8 weights on oneDNN's VNNI kernels (int32 accumulation) and rescaled by the
+    token's scale x the channel's weight scale. That is lossy (each activation is rounded to one
+    of 255 levels of its token's range, |error| <= amax / 254) and about twice the MACs per
+    instruction of the bf16 dot products, so it is a mode to opt into, logged once when a model
+    uses it. Other layouts ignore it.
 """
 from __future__ import annotations
 
@@ -21,16 +32,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.backends.cpu import quant_lowp
 from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
 
 QUANT_KERNELS_ENV = "PAGEDLLM_CPU_QUANT_KERNELS"
+LOWP_MODE_ENV = "PAGEDLLM_CPU_QUANT_LOWP_MODE"
+LOWP_MODES = ("none", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def quant_kernels_enabled() -> bool:
     return os.environ.get(QUANT_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off")
+
+
+def lowp_mode() -> str:
+    """The compute mode of INT8 linears from $PAGEDLLM_CPU_QUANT_LOWP_MODE (see the module doc)."""
+    mode = os.environ.get(LOWP_MODE_ENV, "none").strip().lower() or "none"
+    if mode not in LOWP_MODES:
+        raise ValueError(f"{LOWP_MODE_ENV}={mode!r} is not a cpu quantized compute mode; "
+                         f"allowed: {', '.join(LOWP_MODES)}")
+    return mode
 
 
 def _route(layer: nn.Module) -> str | None:
@@ -57,8 +80,12 @@ def quant_linear_prepare(layer: nn.Module) -> None:
         return
     q, codes = layer.quant, layer.weight.data
     dtype = layer.ctx.dtype
+    if route == "int8" and lowp_mode() == "int8" and quant_lowp.available():
+        route = "int8_lowp"
     try:
-        if route == "int8":
+        if route == "int8_lowp":
+            quant_lowp.prepare(layer, (codes.to(torch.int16) - 128).to(torch.int8), q.scale[:, 0])
+        elif route == "int8":
             layer.cpu_int8_weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
             layer.cpu_int8_scale = q.scale[:, 0].to(dtype).contiguous()  # [out]
         else:
@@ -85,7 +112,9 @@ def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     if route is None:
         return reference_quant_linear(x, layer)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if route == "int8":
+    if route == "int8_lowp":
+        y = quant_lowp.linear(x2, layer)
+    elif route == "int8":
         y = torch._weight_int8pack_mm(x2, layer.cpu_int8_weight, layer.cpu_int8_scale)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x2, layer.cpu_int4_weight, layer.cpu_int4_group_size,
