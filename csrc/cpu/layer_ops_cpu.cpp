@@ -21,12 +21,17 @@
 // rotary_and_cache is the rotary op in place on a qkv projection's q and k heads plus the cache
 // write of k and v, in one pass (the cpu attention's forward_rotary).
 //
-// Registered as torch.ops.pagedllm_cpu.{rms_norm, rotary, silu_and_mul, write_kv,
-// rotary_and_cache} (a fragment of the library paged_attention_cpu.cpp defines).
+// gemma_rms_norm is rms_norm with Gemma's (1 + w) scale; gelu_tanh_and_mul is silu_and_mul's
+// shape with torch's own GELU-tanh (see there).
+//
+// Registered as torch.ops.pagedllm_cpu.{rms_norm, gemma_rms_norm, rotary, silu_and_mul,
+// gelu_tanh_and_mul, write_kv, rotary_and_cache} (a fragment of the library
+// paged_attention_cpu.cpp defines).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/cpu/Gelu.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -115,7 +120,9 @@ int64_t grain_rows(int64_t row_elems) {
 // rms_norm
 // ---------------------------------------------------------------------------------------------
 
-template <typename T>
+// kUnitOffset (Gemma): out = T((h * inv_rms) * (1 + w)), all in float32, one rounding at the end
+// (transformers' GemmaRMSNorm); otherwise the reference's T(w * T(h * inv_rms)).
+template <typename T, bool kUnitOffset = false>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps,
                    const c10::optional<at::Tensor>& residual, at::Tensor& out, at::Tensor& h_out) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -167,21 +174,34 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps,
         load2(w + k, w0, w1);
         h0 = h0 * inv_v;
         h1 = h1 * inv_v;
-        round2<T>(h0, h1);
-        store2(o + k, w0 * h0, w1 * h1);
+        if constexpr (kUnitOffset) {
+          const VecF one(1.f);
+          store2(o + k, h0 * (one + w0), h1 * (one + w1));
+        } else {
+          round2<T>(h0, h1);
+          store2(o + k, w0 * h0, w1 * h1);
+        }
       }
       for (; k < n; ++k) {
-        const float normed = round1<T>(static_cast<float>(h[k]) * inv);
-        o[k] = static_cast<T>(static_cast<float>(w[k]) * normed);
+        if constexpr (kUnitOffset) {
+          const float normed = static_cast<float>(h[k]) * inv;
+          o[k] = static_cast<T>(normed * (1.f + static_cast<float>(w[k])));
+        } else {
+          const float normed = round1<T>(static_cast<float>(h[k]) * inv);
+          o[k] = static_cast<T>(static_cast<float>(w[k]) * normed);
+        }
       }
     }
   });
 }
 
 // (T(w * T(h * rsqrt(mean(h^2) + eps))), h) with h = T(x + residual) (or x): the reference's
-// rms_norm, residual add included (float32: one F.rms_norm).
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
-                                            double eps, const c10::optional<at::Tensor>& residual) {
+// rms_norm, residual add included (float32: one F.rms_norm). unit_offset: Gemma's
+// T((h * rsqrt(mean(h^2) + eps)) * (1 + w)) instead (the gemma_rms_norm op).
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps,
+                                                 const c10::optional<at::Tensor>& residual,
+                                                 bool unit_offset) {
   check_x(x);
   const auto dtype = x.scalar_type();
   check_cpu(weight, "weight", dtype);
@@ -199,12 +219,32 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
     h_out = at::empty({rows, n}, x.options());
   }
   const auto feps = static_cast<float>(eps);
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    if (unit_offset) {
+      rms_norm_rows<T, true>(x, weight, feps, residual, out, h_out);
+    } else {
+      rms_norm_rows<T, false>(x, weight, feps, residual, out, h_out);
+    }
+  };
   switch (dtype) {
-    case at::kBFloat16: rms_norm_rows<c10::BFloat16>(x, weight, feps, residual, out, h_out); break;
-    case at::kHalf: rms_norm_rows<c10::Half>(x, weight, feps, residual, out, h_out); break;
-    default: rms_norm_rows<float>(x, weight, feps, residual, out, h_out); break;
+    case at::kBFloat16: run(c10::BFloat16()); break;
+    case at::kHalf: run(c10::Half()); break;
+    default: run(0.f); break;
   }
   return {out, h_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const c10::optional<at::Tensor>& residual) {
+  return rms_norm_impl(x, weight, eps, residual, false);
+}
+
+// Gemma's (1 + w) norm: ``weight`` is the checkpoint's w (zeros = identity).
+std::tuple<at::Tensor, at::Tensor> gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                                  double eps,
+                                                  const c10::optional<at::Tensor>& residual) {
+  return rms_norm_impl(x, weight, eps, residual, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,6 +376,66 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   }
   return out;
 }
+
+// ---------------------------------------------------------------------------------------------
+// gelu_tanh_and_mul
+// ---------------------------------------------------------------------------------------------
+
+// torch's own GELU-tanh functions (ATen/native/cpu/Gelu.h), on the elements torch's
+// vectorized loop gives them: whole chunks of 2 * Vectorized<T>::size() values in vector code,
+// the rest of a row in scalar code (its std::tanh). So the gate is F.gelu(approximate="tanh")'s
+// bits; out = T(T(gelu(g)) * u), the reference's product of two T tensors.
+template <typename T>
+void gelu_tanh_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  using VecT = at::vec::Vectorized<T>;
+  constexpr int64_t kChunk = 2 * VecT::size();
+  const int64_t tokens = x.size(0), inter = x.size(1) / 2;
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = xp + t * xs;
+      const T* u = g + inter;
+      T* o = op + t * inter;
+      int64_t i = 0;
+      for (; i + kChunk <= inter; i += kChunk) {
+        for (int64_t j = i; j < i + kChunk; j += VecT::size()) {
+          const VecT act = at::native::vectorized_gelu_approximated_with_tanh(VecT::loadu(g + j));
+          if constexpr (std::is_same_v<T, float>) {
+            (act * VecT::loadu(u + j)).store(o + j);
+          } else {
+            auto [a0, a1] = at::vec::convert_to_float<T>(act);
+            VecF u0, u1;
+            load2(u + j, u0, u1);
+            store2(o + j, a0 * u0, a1 * u1);
+          }
+        }
+      }
+      for (; i < inter; ++i) {
+        const float act = round1<T>(static_cast<float>(
+            at::native::scalar_gelu_approximated_with_tanh(g[i])));
+        o[i] = static_cast<T>(act * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// x [num_tokens, 2 * I] (gate, then up) -> gelu_tanh(gate) * up [num_tokens, I] (Gemma's MLP).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  check_x(x);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
+              "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got shape ",
+              x.sizes());
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kBFloat16: gelu_tanh_and_mul_rows<c10::BFloat16>(x, out); break;
+    case at::kHalf: gelu_tanh_and_mul_rows<c10::Half>(x, out); break;
+    default: gelu_tanh_and_mul_rows<float>(x, out); break;
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // cache writes
 // ---------------------------------------------------------------------------------------------
@@ -473,6 +573,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gemma_rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
         "Tensor slot_mapping, int num_heads) -> ()");
@@ -482,6 +584,8 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("write_kv", &write_kv);
   m.impl("rotary_and_cache", &rotary_and_cache);
 }

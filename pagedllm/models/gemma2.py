@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
@@ -25,9 +24,10 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 class GemmaRMSNorm(nn.Module):
-    """transformers' Gemma norm: (x * rsqrt(mean(x^2) + eps)) * (1 + w), in float32, then cast.
+    """transformers' Gemma norm: (x * rsqrt(mean(x^2) + eps)) * (1 + w), in float32, then cast:
+    the ``gemma_rms_norm`` op (ops.py; one fused pass on the cpu kernels).
 
-    The checkpoint stores w (zeros = identity); 1 + w is formed in float32 on every call, as
+    The checkpoint stores w (zeros = identity); 1 + w is formed in float32 inside the op, as
     transformers does, so half-precision models round once, at the end."""
 
     def __init__(self, size: int, eps: float, ctx: LayerContext) -> None:
@@ -40,12 +40,7 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); with ``residual``, normalizes ``x + residual``."""
-        scale = 1.0 + self.weight.float()
-        if x.dtype == torch.float32:
-            return self.ctx.ops.rms_norm(x, scale, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * scale).to(x.dtype), x
+        return self.ctx.ops.gemma_rms_norm(x, self.weight, self.eps, residual)
 
 
 def head_size_of(config: Any) -> int:
@@ -74,11 +69,11 @@ class Gemma2Attention(nn.Module):
         """Gemma 3's per-head q/k norms (gemma3.py); Gemma 2 has none."""
         return qkv
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """``cos_sin``: this layer's rotary table rows for the step's positions, [T, D] each."""
         qkv = self.qk_norm(self.qkv_proj(hidden))  # [T, (num_heads + 2 * num_kv_heads) * D]
-        out = self.attn.forward_rotary(qkv, self.rotary(positions), self.ctx.ops.rotary,
-                                       kv_cache, metadata)
+        out = self.attn.forward_rotary(qkv, cos_sin, self.ctx.ops.rotary, kv_cache, metadata)
         return self.o_proj(out)
 
 
@@ -112,12 +107,12 @@ class Gemma2DecoderLayer(nn.Module):
         self.mlp = Gemma2MLP(config, ctx)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, ctx)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's last branch output, the residual it is to be added to)."""
         h, residual = self.input_layernorm(hidden, residual)
-        h = self.self_attn(positions, h, kv_cache, metadata)
+        h = self.self_attn(cos_sin, h, kv_cache, metadata)
         h, _ = self.post_attention_layernorm(h)
         h, residual = self.pre_feedforward_layernorm(h, residual)
         h, _ = self.post_feedforward_layernorm(self.mlp(h))
@@ -164,6 +159,10 @@ class Gemma2ForCausalLM(nn.Module):
                                           self.ctx.dtype, self.ctx.device)
         return self.rotary
 
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """The distinct rotary tables of this stage's layers."""
+        return [self.rotary] if hasattr(self, "rotary") else []
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
                 intermediate: dict[str, torch.Tensor] | None = None
@@ -175,8 +174,11 @@ class Gemma2ForCausalLM(nn.Module):
         else:
             assert intermediate is not None
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        # each rotary table's rows for this step, looked up once (Gemma 3: one table per type)
+        cos_sin = {id(r): r(positions, metadata) for r in self.rotary_tables()}
         for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            table = cos_sin[id(layer.self_attn.rotary)]
+            hidden, residual = layer(table, hidden, residual, kv_cache, metadata)
         if not self.pp.is_last:
             return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)

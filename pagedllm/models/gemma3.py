@@ -56,6 +56,9 @@ def rope_config(config: Any, layer_type: str) -> Any:
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     layer_cls = Gemma3DecoderLayer
 
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        return list(self.rotaries.values()) if hasattr(self, "rotaries") else []
+
     def rotary_for(self, config: Any, layer_idx: int, max_positions: int) -> RotaryEmbedding:
         """The table of the layer's type, built once per type."""
         if not hasattr(self, "rotaries"):

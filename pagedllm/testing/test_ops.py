@@ -49,6 +49,20 @@ def test_rms_norm(conformance_backend: Backend, conformance_dtype: str,
     _close(residual, ref_residual, conformance_dtype, "rms_norm (new residual)")
 
 
+def test_gemma_rms_norm(conformance_backend: Backend, conformance_dtype: str,
+                        conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
+    """Gemma's (1 + w) norm; w small, as trained Gemma norms are (zeros = identity)."""
+    rng = conformance_rng
+    x, res, w = _rand(rng, 7, 256), _rand(rng, 7, 256), _rand(rng, 256) * 0.5
+    dt, dev = torch_dtype(conformance_dtype), conformance_device
+    normed, residual = _ops(conformance_backend).gemma_rms_norm(
+        x.to(dt).to(dev), w.to(dt).to(dev), 1e-6, res.to(dt).to(dev))
+    ref_normed, ref_residual = reference.gemma_rms_norm(x.to(dt).double(), w.to(dt).double(),
+                                                        1e-6, res.to(dt).double())
+    _close(normed, ref_normed, conformance_dtype, "gemma_rms_norm (normed)")
+    _close(residual, ref_residual, conformance_dtype, "gemma_rms_norm (new residual)")
+
+
 def test_rotary(conformance_backend: Backend, conformance_dtype: str,
                 conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
     t, d = 9, 64
@@ -67,6 +81,14 @@ def test_silu_and_mul(conformance_backend: Backend, conformance_dtype: str,
     x = _rand(conformance_rng, 5, 2 * 96).to(torch_dtype(conformance_dtype))
     got = _ops(conformance_backend).silu_and_mul(x.to(conformance_device))
     _close(got, reference.silu_and_mul(x.double()), conformance_dtype, "silu_and_mul")
+
+
+def test_gelu_tanh_and_mul(conformance_backend: Backend, conformance_dtype: str,
+                           conformance_device: torch.device,
+                           conformance_rng: torch.Generator) -> None:
+    x = _rand(conformance_rng, 5, 2 * 96).to(torch_dtype(conformance_dtype))
+    got = _ops(conformance_backend).gelu_tanh_and_mul(x.to(conformance_device))
+    _close(got, reference.gelu_tanh_and_mul(x.double()), conformance_dtype, "gelu_tanh_and_mul")
 
 
 def test_linear(conformance_backend: Backend, conformance_dtype: str,

@@ -31,6 +31,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * F.rms_norm(x.float(), size, None, eps).to(x.dtype), residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's (1 + w) RMSNorm: returns (normed, new residual); with ``residual``, normalizes
+    ``x + residual`` (added in x's dtype). ``weight`` is the checkpoint's w (zeros = identity).
+
+    transformers' GemmaRMSNorm: ``(h * rsqrt(mean(h^2) + eps) * (1 + w.float())).to(dtype)``
+    with h = x in float32: the scale is applied in float32 and rounded once, at the end."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    compute = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
+    normed = F.rms_norm(x.to(compute), (x.shape[-1],), None, eps) * (1.0 + weight.to(compute))
+    return normed.to(x.dtype), residual
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotary embedding of x [T, heads, D] (queries and keys together); cos/sin [T, D].
 
@@ -88,12 +103,13 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("fused_moe", "rms_norm",
+    NAMES = ("fused_moe", "rms_norm", "gemma_rms_norm",
              "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
              "apply_token_bitmask", "quant_linear", "quant_linear_prepare", "gelu_tanh_and_mul")
 
     def __init__(self) -> None:
         self.rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rms_norm
+        self.gemma_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gemma_rms_norm
         self.rotary: Callable[..., torch.Tensor] = rotary
         # sparse MoE experts with top-k routing (models/layers/moe_ops.py)
         self.fused_moe: Callable[..., torch.Tensor] = fused_moe
