@@ -20,8 +20,11 @@
 //
 // Work split: a task is (sequence, kv head, tile of kQueryTile queries); its rows are the tile's
 // tokens times the kv head's GQA group of query heads, so each K/V row read from the cache serves
-// all of them. Keys stream in tiles of kKeyTile (widened to float once per tile for 16-bit
-// caches). Threads of torch's pool pull tasks, the heaviest (most keys x rows) first, from one
+// all of them. Keys stream in tiles of kKeyTile, read once per tile into float scratch (the keys
+// transposed, [head_size, kKeyTile], so that scores come out kLanes keys per vector with no
+// horizontal sums); kRowBlock rows at a time share every K and V vector load (register blocking:
+// scores and the output update are small outer-product loops on accumulators held in
+// registers). Threads of torch's pool pull tasks, the heaviest (most keys x rows) first, from one
 // atomic counter: a long prompt's late tiles cost more than its early ones, so a static split
 // would leave a thread idle. Every argument is checked before any task starts.
 
@@ -43,7 +46,14 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query tokens per task
-constexpr int64_t kKeyTile = 32;    // keys per online-softmax step (a multiple of kTile)
+constexpr int64_t kKeyTile = 32;    // keys per online-softmax step
+// Register blocking: kRowBlock query rows share every K (and V) vector load; scores are computed
+// kKeyVecs vectors of keys at a time, the output kOutVecs vectors of head dims at a time, so a
+// block's accumulators (kRowBlock x 2 vectors) stay in registers over the whole inner loop.
+constexpr int64_t kRowBlock = 4;
+constexpr int64_t kKeyVecs = 2;
+constexpr int64_t kOutVecs = 2;
+static_assert(kKeyTile % (kKeyVecs * kLanes) == 0, "a key tile is whole key sub-blocks");
 
 using PrefillLayout = AttentionGeometry;  // attention_args.h
 
@@ -52,36 +62,60 @@ struct Task {
   int64_t cost;
 };
 
-// One thread's buffers, reused by its tasks.
+// One thread's buffers, reused by its tasks. Rows are padded to whole row blocks: the padding
+// rows have zero queries and their outputs are never written back.
 struct PrefillScratch {
-  std::vector<float> query, acc;          // [kQueryTile * group, head_size]
-  std::vector<float> row_max, row_sum;    // [kQueryTile * group]
-  std::vector<float> scores, partial;     // [kKeyTile], [head_size]
-  std::vector<const float*> k, v;         // [kKeyTile] rows as floats
-  std::vector<float> k_wide, v_wide;      // [kKeyTile, head_size] for 16-bit caches
+  int64_t padded_rows;
+  std::vector<float> query, acc;          // [padded_rows, head_size]: scale * q; output sums
+  std::vector<float> row_max, row_sum;    // [padded_rows]
+  std::vector<float> correction;          // [padded_rows]: this tile's exp(old max - new max)
+  std::vector<float> scores;              // [padded_rows, kKeyTile]: scores, then exp(s - max)
+  std::vector<float> k_t;                 // [head_size, kKeyTile]: the key tile, transposed
+  std::vector<const float*> v;            // [kKeyTile] value rows as floats
+  std::vector<float> v_wide;              // [kKeyTile, head_size] for 16-bit caches
 
   PrefillScratch(const PrefillLayout& l, bool widen)
-      : query(kQueryTile * l.group * l.head_size),
-        acc(kQueryTile * l.group * l.head_size),
-        row_max(kQueryTile * l.group),
-        row_sum(kQueryTile * l.group),
-        scores(kKeyTile),
-        partial(l.head_size),
-        k(kKeyTile),
+      : padded_rows((kQueryTile * l.group + kRowBlock - 1) / kRowBlock * kRowBlock),
+        query(padded_rows * l.head_size),
+        acc(padded_rows * l.head_size),
+        row_max(padded_rows),
+        row_sum(padded_rows),
+        correction(padded_rows),
+        scores(padded_rows * kKeyTile),
+        k_t(l.head_size * kKeyTile),
         v(kKeyTile),
-        k_wide(widen ? kKeyTile * l.head_size : 0),
         v_wide(widen ? kKeyTile * l.head_size : 0) {}
 };
 
-// rows[t] = the cache row of key position k0 + t (t < n) for kv head `head`, as floats.
+inline const void* cache_row(const PrefillLayout& l, const void* base, size_t elem,
+                             const int32_t* blocks, int64_t pos) {
+  return static_cast<const char*>(base) +
+         elem * (blocks[pos / l.block_size] * l.c_block + (pos % l.block_size) * l.c_slot);
+}
+
+// k_t[i, t] = key t of the tile (position k0 + t) at dim i, as floats; keys t >= n are 0.
 template <typename scalar_t>
-void key_rows(const PrefillLayout& l, const scalar_t* base, const int32_t* blocks, int64_t k0,
-              int64_t n, std::vector<const float*>& rows, std::vector<float>& wide) {
+void transposed_keys(const PrefillLayout& l, const scalar_t* base, const int32_t* blocks,
+                     int64_t k0, int64_t n, float* k_t) {
   const int64_t d = l.head_size;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = k0 + t;
-    const scalar_t* row = base + blocks[pos / l.block_size] * l.c_block +
-                          (pos % l.block_size) * l.c_slot;
+    const scalar_t* row = static_cast<const scalar_t*>(
+        cache_row(l, base, sizeof(scalar_t), blocks, k0 + t));
+    for (int64_t i = 0; i < d; ++i) k_t[i * kKeyTile + t] = static_cast<float>(row[i]);
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    std::fill(k_t + i * kKeyTile + n, k_t + (i + 1) * kKeyTile, 0.f);
+  }
+}
+
+// rows[t] = the value row of position k0 + t (t < n), as floats (16-bit rows widened).
+template <typename scalar_t>
+void value_rows(const PrefillLayout& l, const scalar_t* base, const int32_t* blocks, int64_t k0,
+                int64_t n, std::vector<const float*>& rows, std::vector<float>& wide) {
+  const int64_t d = l.head_size;
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* row = static_cast<const scalar_t*>(
+        cache_row(l, base, sizeof(scalar_t), blocks, k0 + t));
     if constexpr (std::is_same_v<scalar_t, float>) {
       rows[t] = row;
     } else {
@@ -92,12 +126,104 @@ void key_rows(const PrefillLayout& l, const scalar_t* base, const int32_t* block
   }
 }
 
+// scores[r, 0..m) = q_r . k_t[:, 0..m) for the kRowBlock rows from q (m: whole sub-blocks).
+inline void score_block(const float* q, int64_t d, const float* k_t, int64_t m, float* scores) {
+  constexpr int64_t kKeys = kKeyVecs * kLanes;
+  for (int64_t j0 = 0; j0 < m; j0 += kKeys) {
+    VecF acc[kRowBlock][kKeyVecs];
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = VecF(0.f);
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      VecF k[kKeyVecs];
+      const float* row = k_t + i * kKeyTile + j0;
+      for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = VecF::loadu(row + c * kLanes);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const VecF qb(q[r * d + i]);
+        for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = at::vec::fmadd(qb, k[c], acc[r][c]);
+      }
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      float* row = scores + r * kKeyTile + j0;
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c].store(row + c * kLanes);
+    }
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum over t < n of p[r, t] * v[t], for the kRowBlock rows.
+inline void accumulate_block(const float* p, const float* const* v, int64_t n, int64_t d,
+                             const float* correction, float* acc) {
+  constexpr int64_t kDims = kOutVecs * kLanes;
+  int64_t i = 0;
+  for (; i + kDims <= d; i += kDims) {
+    VecF o[kRowBlock][kOutVecs];
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      const VecF c(correction[r]);
+      for (int64_t u = 0; u < kOutVecs; ++u) {
+        o[r][u] = VecF::loadu(acc + r * d + i + u * kLanes) * c;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      VecF vv[kOutVecs];
+      for (int64_t u = 0; u < kOutVecs; ++u) vv[u] = VecF::loadu(v[t] + i + u * kLanes);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const VecF pb(p[r * kKeyTile + t]);
+        for (int64_t u = 0; u < kOutVecs; ++u) o[r][u] = at::vec::fmadd(pb, vv[u], o[r][u]);
+      }
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      for (int64_t u = 0; u < kOutVecs; ++u) o[r][u].store(acc + r * d + i + u * kLanes);
+    }
+  }
+  for (; i < d; ++i) {  // head sizes that are not a multiple of kDims
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      float sum = acc[r * d + i] * correction[r];
+      for (int64_t t = 0; t < n; ++t) sum += p[r * kKeyTile + t] * v[t][i];
+      acc[r * d + i] = sum;
+    }
+  }
+}
+
+// Turns row r's scores over the tile into exp(score - running max), keys outside [a, b) (not
+// visible to the row) into 0, and updates its running max and sum; correction[r] is the factor
+// its earlier sums must be scaled by. A row that sees no key of the tile gets p = 0, factor 1.
+inline void online_softmax_row(float* x, int64_t a, int64_t b, float soft_cap, float& row_max,
+                               float& row_sum, float& correction) {
+  if (a >= b) {
+    std::fill(x, x + kKeyTile, 0.f);
+    correction = 1.f;
+    return;
+  }
+  if (soft_cap > 0.f) soft_cap_logits(x + a, b - a, soft_cap);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::fill(x, x + a, neg_inf);
+  std::fill(x + b, x + kKeyTile, neg_inf);
+  VecF vmax = VecF::loadu(x);
+  for (int64_t j = kLanes; j < kKeyTile; j += kLanes) {
+    vmax = at::vec::maximum(vmax, VecF::loadu(x + j));
+  }
+  const float new_max = std::max(row_max, at::vec::vec_reduce_all<float>(
+      [](VecF& u, VecF& w) { return at::vec::maximum(u, w); }, vmax));
+  correction = std::exp(row_max - new_max);  // 0 on the row's first tile (max was -inf)
+  row_max = new_max;
+  const VecF shift(new_max);
+  VecF vsum(0.f);
+  // exp_u20: ATen's polynomial exp (<= 20 ulp; 0 below ln(FLT_MIN), so 0 for the hidden keys)
+  for (int64_t j = 0; j < kKeyTile; j += kLanes) {
+    const VecF e = (VecF::loadu(x + j) - shift).exp_u20();
+    e.store(x + j);
+    vsum = vsum + e;
+  }
+  row_sum = row_sum * correction + reduce_add(vsum);
+}
+
 template <typename scalar_t>
 void prefill_task(const PrefillLayout& l, const Task& task, scalar_t* out, const scalar_t* query,
                   const scalar_t* cache, const int32_t* tables, int64_t q_start, int64_t context,
                   PrefillScratch& s) {
   const int64_t d = l.head_size, group = l.group;
   const int64_t tokens = task.last - task.first, rows = tokens * group;
+  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int32_t* blocks = tables + task.seq * l.table_stride;
   const scalar_t* k_base = cache + task.kv_head * l.c_head;
   const scalar_t* v_base = k_base + l.c_kv;
@@ -108,58 +234,35 @@ void prefill_task(const PrefillLayout& l, const Task& task, scalar_t* out, const
     float* qs = s.query.data() + r * d;
     for (int64_t i = 0; i < d; ++i) qs[i] = static_cast<float>(q[i]) * l.scale;
   }
-  std::fill(s.acc.begin(), s.acc.begin() + rows * d, 0.f);
-  std::fill(s.row_max.begin(), s.row_max.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(s.row_sum.begin(), s.row_sum.begin() + rows, 0.f);
+  std::fill(s.query.begin() + rows * d, s.query.begin() + padded * d, 0.f);
+  std::fill(s.acc.begin(), s.acc.begin() + padded * d, 0.f);
+  std::fill(s.row_max.begin(), s.row_max.begin() + padded,
+            -std::numeric_limits<float>::infinity());
+  std::fill(s.row_sum.begin(), s.row_sum.begin() + padded, 0.f);
 
   const int64_t first_pos = context + task.first, last_pos = context + task.last - 1;
   const int64_t k_end = last_pos + 1;  // causal: no key past the tile's last query
   const int64_t k_begin = l.window > 0 ? std::max<int64_t>(0, first_pos - l.window + 1) : 0;
+  constexpr int64_t kKeys = kKeyVecs * kLanes;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, k_end - k0);
-    key_rows(l, k_base, blocks, k0, n, s.k, s.k_wide);
-    key_rows(l, v_base, blocks, k0, n, s.v, s.v_wide);
-    for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = (n + kKeys - 1) / kKeys * kKeys;  // keys scored: whole sub-blocks
+    transposed_keys(l, k_base, blocks, k0, n, s.k_t.data());
+    value_rows(l, v_base, blocks, k0, n, s.v, s.v_wide);
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
+      score_block(s.query.data() + r0 * d, d, s.k_t.data(), m, s.scores.data() + r0 * kKeyTile);
+    }
+    for (int64_t r = 0; r < padded; ++r) {
+      // the keys of this tile the row sees: [a, b) relative to k0 (none for padding rows)
       const int64_t pos = first_pos + r / group;
-      // the keys of this tile the row sees: [a, b) relative to k0
       const int64_t a = l.window > 0 ? std::max<int64_t>(0, pos - l.window + 1 - k0) : 0;
-      const int64_t b = std::min(n, pos + 1 - k0);
-      if (a >= b) continue;
-      const float* q = s.query.data() + r * d;
-      float* x = s.scores.data() + a;
-      const int64_t m = b - a;
-      int64_t j = 0;
-      for (; j + kTile <= m; j += kTile) dot_tile(q, s.k.data() + a + j, d, x + j);
-      for (; j < m; ++j) x[j] = dot(q, s.k[a + j], d);
-      if (l.soft_cap > 0.f) soft_cap_logits(x, m, l.soft_cap);
-      float tile_max = x[0];
-      for (j = 1; j < m; ++j) tile_max = std::max(tile_max, x[j]);
-      const float new_max = std::max(s.row_max[r], tile_max);
-      const float correction = std::exp(s.row_max[r] - new_max);  // 0 on the row's first tile
-      s.row_max[r] = new_max;
-      const VecF shift(new_max);
-      float sum = 0.f;
-      j = 0;
-      VecF vsum(0.f);
-      for (; j + kLanes <= m; j += kLanes) {
-        const VecF e = (VecF::loadu(x + j) - shift).exp();
-        e.store(x + j);
-        vsum = vsum + e;
-      }
-      sum = reduce_add(vsum);
-      for (; j < m; ++j) {
-        x[j] = std::exp(x[j] - new_max);
-        sum += x[j];
-      }
-      s.row_sum[r] = s.row_sum[r] * correction + sum;
-      weighted_sum(x, s.v.data() + a, m, d, s.partial.data());
-      float* acc = s.acc.data() + r * d;
-      const VecF c(correction);
-      int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes) {
-        (VecF::loadu(acc + i) * c + VecF::loadu(s.partial.data() + i)).store(acc + i);
-      }
-      for (; i < d; ++i) acc[i] = acc[i] * correction + s.partial[i];
+      const int64_t b = r < rows ? std::min(n, pos + 1 - k0) : 0;
+      online_softmax_row(s.scores.data() + r * kKeyTile, a, b, l.soft_cap, s.row_max[r],
+                         s.row_sum[r], s.correction[r]);
+    }
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
+      accumulate_block(s.scores.data() + r0 * kKeyTile, s.v.data(), n, d,
+                       s.correction.data() + r0, s.acc.data() + r0 * d);
     }
   }
 
