@@ -1,14 +1,19 @@
 """Guided decoding cost: offline throughput with a JSON schema on every request vs the same
 workload unconstrained, and time to first token with a never-seen schema (issue 33).
 
-    python benchmarks/guided.py [--model PATH] --num-prompts 64 --output-len 64 \\
-        --backend pagedllm,vllm [--vllm-python /work/venvs/vllm/bin/python] [--repeats 3]
+    python benchmarks/guided.py [--model PATH | --preset bench99m --dtype bfloat16] \\
+        --num-prompts 64 --output-len 64 --backend pagedllm,vllm \\
+        [--vllm-python /work/venvs/vllm/bin/python] [--repeats 3]
 
 Each engine runs in its own subprocess (this file with --worker). The schema (an object holding
 an array of at least 64 bounded strings) cannot complete within --output-len tokens, so guided
 and unconstrained requests produce the same number of tokens (sampled, temperature 1, seeded).
 TTFT is the wall time of a one-token request on the idle, warmed-up engine; "cold" gives the
 request a schema the engine has not seen (a fresh grammar to compile), "plain" none.
+``--preset`` runs a bigger model than the demo: that preset's shape (benchmarks/make_model.py,
+e.g. bench99m: 8 layers of hidden 1024) with random weights and the demo model's byte-level BPE
+tokenizer and 8,192-token vocabulary (the presets' own WordLevel tokens spell no JSON), written to
+a temporary folder that both engines load.
 Target: guided throughput >= 85% of unconstrained.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,12 +61,48 @@ def _guided_params(schema: dict[str, Any], api: str) -> dict[str, Any]:
         return {"guided_decoding": VllmGuided(json=schema)}
 
 
+def _profile_guided(llm: Any) -> dict[str, float]:
+    """Wraps pagedllm's guided-decoding steps with timers; returns the dict of seconds they add
+    to (engine thread: ``mask_build`` bookkeeping and the fill's start, ``mask_wait`` the
+    sampler's wait for the mask after the forward, ``apply`` the op, ``advance`` the accepts;
+    helper thread: ``fill`` xgrammar's row fills) plus ``steps``."""
+    from pagedllm.engine.guided import manager
+
+    totals: dict[str, float] = {"mask_build": 0.0, "mask_wait": 0.0, "fill": 0.0,
+                                "apply": 0.0, "advance": 0.0, "steps": 0.0}
+
+    def timed(fn: Any, key: str) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[key] += time.perf_counter() - t0
+        return call
+
+    guided = llm.llm_engine.guided
+    guided.bitmask = timed(guided.bitmask, "mask_build")
+    guided.advance = timed(guided.advance, "advance")
+    guided._fill_rows = timed(guided._fill_rows, "fill")
+    manager.PendingBitmask.result = timed(manager.PendingBitmask.result, "mask_wait")
+    sampler = llm.llm_engine.executor.worker.runner.sampler
+    sampler.apply_token_bitmask = timed(sampler.apply_token_bitmask, "apply")
+    step = llm.llm_engine.step
+
+    def counted() -> Any:
+        totals["steps"] += 1
+        return step()
+    llm.llm_engine.step = counted
+    return totals
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     api = spec["backend"]
     if api == "pagedllm":
         from pagedllm import LLM, SamplingParams
 
-        kw: dict[str, Any] = {"device": spec["device"], "kv_cache_space_gib": 2}
+        kw: dict[str, Any] = {"device": spec["device"],
+                              "kv_cache_space_gib": spec.get("kv_cache_space_gib", 2)}
     else:
         from vllm import LLM, SamplingParams
 
@@ -96,15 +138,47 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             llm.generate([prompts[0]], [params(0, g, 1)], use_tqdm=False)
             times.append(time.perf_counter() - t0)
         result[mode] = times
+    if spec.get("profile") and api == "pagedllm":  # one more guided run, its steps timed
+        totals = _profile_guided(llm)
+        elapsed, _ = run(guided)
+        steps = max(1.0, totals.pop("steps"))
+        result["profile_ms_per_step"] = {"step": round(1e3 * elapsed / steps, 3), **{
+            k: round(1e3 * v / steps, 3) for k, v in totals.items()}}
     return result
 
 
 # --- the driver -----------------------------------------------------------------------------
+def write_preset(preset: str, dtype: str, out_dir: Path) -> Path:
+    """``preset``'s model shape with the demo model's tokenizer, vocabulary size and special
+    ids, seeded random weights in ``dtype``, to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from make_model import make_config
+
+    demo = json.loads((DEMO / "config.json").read_text())
+    config = make_config(preset, dtype)
+    config.vocab_size = demo["vocab_size"]
+    config.bos_token_id = config.eos_token_id = demo["eos_token_id"]
+    config.pad_token_id = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(bos_token_id=demo["bos_token_id"],
+                                               eos_token_id=demo["eos_token_id"])
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / name, out_dir / name)
+    logger.info("%s shape, demo tokenizer, %s: %.1fM parameters in %s", preset, dtype,
+                sum(p.numel() for p in model.parameters()) / 1e6, out_dir)
+    return out_dir
+
+
 def run_engine(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     python = args.vllm_python if backend == "vllm" else sys.executable
     spec = {"backend": backend, "model": args.model, "dtype": args.dtype, "device": args.device,
             "num_prompts": args.num_prompts, "output_len": args.output_len,
-            "repeats": args.repeats}
+            "repeats": args.repeats, "profile": args.profile}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -125,10 +199,13 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         return r
     plain = statistics.median(x["tok_s"] for x in r["plain"])
     guided = statistics.median(x["tok_s"] for x in r["guided"])
-    return {"backend": r["backend"], "plain_tok_s": round(plain, 1),
-            "guided_tok_s": round(guided, 1), "guided_over_plain": round(guided / plain, 3),
-            "ttft_plain_ms": round(1e3 * statistics.median(r["ttft_plain"]), 1),
-            "ttft_cold_schema_ms": round(1e3 * statistics.median(r["ttft_cold"]), 1)}
+    out = {"backend": r["backend"], "plain_tok_s": round(plain, 1),
+           "guided_tok_s": round(guided, 1), "guided_over_plain": round(guided / plain, 3),
+           "ttft_plain_ms": round(1e3 * statistics.median(r["ttft_plain"]), 1),
+           "ttft_cold_schema_ms": round(1e3 * statistics.median(r["ttft_cold"]), 1)}
+    if "profile_ms_per_step" in r:
+        out["profile_ms_per_step"] = r["profile_ms_per_step"]
+    return out
 
 
 def main() -> None:
@@ -148,10 +225,19 @@ def main() -> None:
                    help="comma-separated: pagedllm, vllm (vLLM runs under --vllm-python)")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON",
                                                            sys.executable))
+    p.add_argument("--preset", default=None,
+                   help="a benchmarks/make_model.py preset (e.g. bench99m) with the demo "
+                        "tokenizer, instead of --model")
+    p.add_argument("--profile", action="store_true",
+                   help="pagedllm: one more guided run with its guided-decoding work timed "
+                        "(ms per engine step)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
-        logger.info("%s", json.dumps(summarize(run_engine(backend, args))))
+    with tempfile.TemporaryDirectory(prefix="pagedllm-guided-") as tmp:
+        if args.preset is not None:
+            args.model = str(write_preset(args.preset, args.dtype, Path(tmp)))
+        for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
+            logger.info("%s", json.dumps(summarize(run_engine(backend, args))))
 
 
 if __name__ == "__main__":

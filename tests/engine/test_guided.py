@@ -223,3 +223,31 @@ def test_pipeline_parallel_guided(llama_path: str) -> None:
         assert len(texts) == 8 and all(re.fullmatch("[a-c]{3,8}@x", t) for t in texts), texts
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_mask_filled_during_the_forward_equals_the_serial_fill(llm: LLM) -> None:
+    """The step's mask filled on the helper thread while the forward runs (the default) gives
+    the same tokens as filling it on the engine thread first; n > 1 forks matchers meanwhile."""
+    from pagedllm.engine.guided.manager import PendingBitmask
+
+    guided = llm.llm_engine.guided
+    params = [_sample(GuidedDecodingParams(json=SCHEMA), n=2),
+              _sample(GuidedDecodingParams(regex=REGEX), seed=3),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=10)]
+    seen: list[object] = []
+    bitmask = guided.bitmask
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(guided, "bitmask", lambda sched: seen.append(bitmask(sched)) or seen[-1])
+        assert guided.overlap
+        overlapped = _texts(llm, params)
+        mp.setattr(guided, "overlap", False)
+        serial = _texts(llm, params)
+    assert overlapped == serial
+    pending = [m for m in seen if isinstance(m, PendingBitmask)]
+    assert pending and len(pending) < len(seen), "both paths should have run"
+    import pickle
+
+    import torch
+
+    mask = pickle.loads(pickle.dumps(pending[-1]))  # an executor sending it to a worker
+    assert isinstance(mask, torch.Tensor) and torch.equal(mask, pending[-1].result())

@@ -5,13 +5,18 @@ the step's token bitmask and accepts the token the step sampled.
 Matchers are keyed by (request id, completion index), not by KV state, so they survive
 preemption by recompute and by swap unchanged: a preempted sequence keeps its tokens, and the
 matcher has accepted exactly those.
+
+A step's mask is filled on one helper thread while the model's forward runs (xgrammar releases
+the GIL): ``bitmask`` returns a ``PendingBitmask`` at once and the model runner waits for it
+only when it samples. Invariant: at most one fill is in flight, and the engine thread touches
+the matchers (accept, fork, free) only after waiting for it (``_settle``).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -25,8 +30,35 @@ from pagedllm.engine.guided.compiler import GrammarCompileError, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-# threads that fill a step's bitmask rows (between steps: the device is idle or running ahead)
+# xgrammar threads that fill one step's rows: one per 128 live rows (a thread's start-up costs
+# more than a small batch's fill: 64 rows of a JSON schema took 2.6 ms on 2 threads, 0.7 ms on
+# 1), at most FILL_THREADS
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
+ROWS_PER_FILL_THREAD = 128
+# PAGEDLLM_GUIDED_OVERLAP=0: fill the mask on the engine thread before the forward (A/B runs)
+OVERLAP = os.environ.get("PAGEDLLM_GUIDED_OVERLAP", "1").strip().lower() not in (
+    "0", "false", "off", "no")
+
+
+class PendingBitmask:
+    """A step's int32 [rows, words] mask being filled on the guided manager's thread. The model
+    runner calls ``result()`` when it samples; indexing waits for it too, and pickling (an
+    executor sending the batch to another process) sends the finished tensor."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self) -> torch.Tensor:
+        return self._future.result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.result()[index]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.result().__reduce_ex__(protocol)
 
 
 @dataclass
@@ -46,7 +78,11 @@ class GuidedManager:
         self._compiling: list[_Compiling] = []
         self._grammars: dict[str, Any] = {}  # request id -> CompiledGrammar
         self._matchers: dict[tuple[str, int], Any] = {}  # (request id, index) -> GrammarMatcher
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self._batch: dict[int, Any] = {}  # threads -> xgrammar.BatchGrammarMatcher
+        self._stop: torch.Tensor | None = None  # the row of a terminated matcher, made once
+        self.overlap = OVERLAP
+        self._fill_pool: ThreadPoolExecutor | None = None
+        self._fill: Future | None = None  # the step's fill in flight, if any
 
     @property
     def service(self) -> GrammarCompilerService:
@@ -113,6 +149,7 @@ class GuidedManager:
         return dropped
 
     def free(self, request_id: str) -> None:
+        self._settle()
         if self._grammars.pop(request_id, None) is not None:
             for key in [k for k in self._matchers if k[0] == request_id]:
                 del self._matchers[key]
@@ -127,10 +164,12 @@ class GuidedManager:
             m = self._matchers[key] = xgr.GrammarMatcher(self._grammars[request_id])
         return m
 
-    def bitmask(self, sched: Any) -> torch.Tensor | None:
+    def bitmask(self, sched: Any) -> torch.Tensor | PendingBitmask | None:
         """int32 [len(batch.seqs), words] for ``sched`` (bit t of row i set iff token t may be
         sampled for batch.seqs[i]; rows of unguided or unsampled sequences all ones), or None
-        when no sampled sequence is guided."""
+        when no sampled sequence is guided. With ``overlap`` a PendingBitmask of it, being
+        filled on the helper thread."""
+        self._settle()
         rows = [i for i, ((group, _), s) in enumerate(zip(sched.entries, sched.batch.seqs))
                 if s.num_samples > 0 and group.request_id in self._grammars]
         if not rows:
@@ -146,51 +185,90 @@ class GuidedManager:
                 mask[i] = self._stop_row()
             else:
                 live.append((i, m))
+        if not live:
+            return mask
+        if not self.overlap:
+            return self._fill_rows(mask, live)
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="pagedllm-bitmask")
+        self._fill = self._fill_pool.submit(self._fill_rows, mask, live)
+        return PendingBitmask(self._fill)
+
+    def _fill_rows(self, mask: torch.Tensor, live: list[tuple[int, Any]]) -> torch.Tensor:
+        """Fills row i of ``mask`` from matcher m for each (i, m) in ``live``; returns mask."""
         if len(live) == 1:
             live[0][1].fill_next_token_bitmask(mask, live[0][0])
-        elif live:  # rows filled in parallel by xgrammar's threads (the GIL released)
-            self._batch_matcher().batch_fill_next_token_bitmask(
-                [m for _, m in live], mask, indices=[i for i, _ in live])
+            return mask
+        threads = min(FILL_THREADS, -(-len(live) // ROWS_PER_FILL_THREAD))
+        self._batch_matcher(threads).batch_fill_next_token_bitmask(
+            [m for _, m in live], mask, indices=[i for i, _ in live])
         return mask
 
-    def _batch_matcher(self) -> Any:
-        if self._batch is None:
+    def _settle(self) -> None:
+        """Waits for the fill in flight (the matchers are the fill thread's until it ends)."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            wait([fill])  # its error, if any, is the model runner's to raise
+
+    def _batch_matcher(self, threads: int) -> Any:
+        m = self._batch.get(threads)
+        if m is None:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        return self._batch
+            m = self._batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        return m
 
     def _stop_row(self) -> torch.Tensor:
-        words = [0] * self.words
-        for t in self._stop_token_ids:
-            if t < self.vocab_size:
-                words[t // 32] |= 1 << (t % 32)
-        # as signed int32: bit 31 set is a negative word
-        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
-                            dtype=torch.int32)
+        if self._stop is None:
+            words = [0] * self.words
+            for t in self._stop_token_ids:
+                if t < self.vocab_size:
+                    words[t // 32] |= 1 << (t % 32)
+            # as signed int32: bit 31 set is a negative word
+            self._stop = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                                      dtype=torch.int32)
+        return self._stop
 
     def advance(self, sched: Any, outputs: list[SeqOutput]) -> None:
         """Feed each guided sequence the token(s) the step sampled for it, before the engine
         applies them; a request's first step with several samples forks its matcher (the
-        output processor forks the sequences the same way, child j getting index j)."""
+        output processor forks the sequences the same way, child j getting index j). The
+        accepts go to xgrammar in one call."""
+        self._settle()
+        if not self._grammars:
+            return
+        matchers: list[Any] = []
+        tokens: list[int] = []
+        rids: list[str] = []
         for (group, seq), out in zip(sched.entries, outputs):
             rid = group.request_id
             if not out.samples or seq.is_finished() or rid not in self._grammars:
                 continue
             m = self._matcher(rid, seq.index)
+            pairs = [(m, out.samples[0].token_id)]
             if not group.forked:
                 for j, sample in enumerate(out.samples[1:], start=1):
                     child = self._matchers[(rid, j)] = m.fork()
-                    self._accept(child, sample.token_id, rid)
-            self._accept(m, out.samples[0].token_id, rid)
-
-    def _accept(self, matcher: Any, token: int, request_id: str) -> None:
-        if matcher.is_terminated():
+                    pairs.append((child, sample.token_id))
+            for matcher, token in pairs:
+                if not matcher.is_terminated():
+                    matchers.append(matcher)
+                    tokens.append(token)
+                    rids.append(rid)
+        if not matchers:
             return
-        if not matcher.accept_token(token):
-            logger.warning("request %s: the grammar rejected sampled token %d (every allowed "
-                           "token had probability 0?)", request_id, token)
+        import xgrammar as xgr
+
+        for ok, token, rid in zip(xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens),
+                                  tokens, rids):
+            if not ok:
+                logger.warning("request %s: the grammar rejected sampled token %d (every "
+                               "allowed token had probability 0?)", rid, token)
 
     def shutdown(self) -> None:
+        self._settle()
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=False)
         if self._service is not None:
             self._service.shutdown()
