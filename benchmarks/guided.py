@@ -13,7 +13,9 @@ request a schema the engine has not seen (a fresh grammar to compile), "plain" n
 ``--preset`` runs a bigger model than the demo: that preset's shape (benchmarks/make_model.py,
 e.g. bench99m: 8 layers of hidden 1024) with random weights and the demo model's byte-level BPE
 tokenizer and 8,192-token vocabulary (the presets' own WordLevel tokens spell no JSON), written to
-a temporary folder that both engines load.
+a temporary folder that both engines load. pagedllm also runs the guided workload with the mask
+filled before the forward instead of during it (``serial_fill_guided_over_plain``), round robin
+with the others; ``--profile`` adds one guided run with its guided-decoding work timed per step.
 Target: guided throughput >= 85% of unconstrained.
 """
 from __future__ import annotations
@@ -124,11 +126,19 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     guided = _guided_params(workload_schema(), api)
     run(None), run(guided)  # warm-up (and the workload schema compiled once, as a server would)
     result: dict[str, Any] = {"backend": api, "load_s": load_s, "plain": [], "guided": []}
-    for _ in range(spec["repeats"]):
-        for mode, g in (("plain", None), ("guided", guided)):
+    modes: list[tuple[str, Any]] = [("plain", None), ("guided", guided)]
+    if api == "pagedllm":  # A/B: the mask filled on the engine thread before the forward
+        modes.append(("guided_serial", guided))
+        result["guided_serial"] = []
+    for _ in range(spec["repeats"]):  # round robin, so drift hits every mode alike
+        for mode, g in modes:
+            if api == "pagedllm":
+                llm.llm_engine.guided.overlap = mode != "guided_serial"
             elapsed, tokens = run(g)
             result[mode].append({"elapsed_s": elapsed, "tokens": tokens,
                                  "tok_s": tokens / elapsed})
+    if api == "pagedllm":
+        llm.llm_engine.guided.overlap = True
     for mode in ("ttft_plain", "ttft_cold"):
         times = []
         for _ in range(spec["repeats"]):
@@ -203,6 +213,9 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
            "guided_tok_s": round(guided, 1), "guided_over_plain": round(guided / plain, 3),
            "ttft_plain_ms": round(1e3 * statistics.median(r["ttft_plain"]), 1),
            "ttft_cold_schema_ms": round(1e3 * statistics.median(r["ttft_cold"]), 1)}
+    if r.get("guided_serial"):
+        serial = statistics.median(x["tok_s"] for x in r["guided_serial"])
+        out["serial_fill_guided_over_plain"] = round(serial / plain, 3)
     if "profile_ms_per_step" in r:
         out["profile_ms_per_step"] = r["profile_ms_per_step"]
     return out
