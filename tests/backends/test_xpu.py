@@ -140,14 +140,17 @@ def test_pad_slots_are_not_written() -> None:
 
 
 @needs_ipex
-@pytest.mark.parametrize("window, cap", [(4, None), (2, None), (None, 2.0), (100, None)])
+@pytest.mark.parametrize("window, cap", [(4, None), (2, None), (None, 2.0), (100, None),
+                                         (4, 2.0), (2, 50.0), (100, 2.0)])
 def test_ipex_window_and_soft_cap_match_reference(window: int | None, cap: float | None) -> None:
     """IPEX's window arguments (decode: the window; prefill: window - 1 keys to the left) and its
-    soft cap, over prefills, cached context and decodes, against float64."""
+    soft cap, over prefills, cached context and decodes, against float64; with both (Gemma 2's
+    sliding layers) the decodes run torch_decode over IPEX's cache."""
     from pagedllm.backends.cpu.ipex_attention import IpexPagedAttention
 
     kwargs = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v}
     impl = IpexPagedAttention(8, 64, 2, 0.125, **kwargs)
+    assert impl.decode_in_torch == (window is not None and cap is not None)
     specs = [SeqSpec(0, 13), SeqSpec(9, 6), SeqSpec(20, 1), SeqSpec(3, 1)]
     g = torch.Generator().manual_seed(1)
     batch = PagedBatch.random(specs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
@@ -160,7 +163,7 @@ def test_ipex_window_and_soft_cap_match_reference(window: int | None, cap: float
 
 
 @needs_ipex
-@pytest.mark.parametrize("kwargs", [dict(sliding_window=1), dict(sliding_window=8,
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=1), dict(sliding_window=1,
                                                                  logits_soft_cap=2.0)])
 def test_ipex_refuses_what_its_kernels_cannot_run(kwargs: dict) -> None:
     from pagedllm.backends.cpu.ipex_attention import IpexPagedAttention
@@ -209,12 +212,16 @@ def test_greedy_matches_transformers_with_ipex(hf_reference, arch: str, mode: di
     dict(), dict(enable_prefix_caching=True, enable_chunked_prefill=True,
                  max_num_batched_tokens=16, max_num_seqs=4),
 ], ids=["plain", "prefix_caching_chunked_prefill"])
-def test_gemma3_sliding_window_matches_transformers_with_ipex(hf_reference, mode: dict) -> None:
-    """Gemma 3: sliding layers (window 5, shorter than the prompts) between global ones."""
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_gemma_sliding_window_matches_transformers_with_ipex(hf_reference, arch: str,
+                                                             mode: dict) -> None:
+    """Gemma 3: sliding layers (window 5, shorter than the prompts) between global ones. Gemma
+    2: the same with attention soft-capping on every layer, so its sliding layers decode in
+    torch over IPEX's cache (IPEX's decode refuses a window with a soft cap)."""
     from pagedllm import LLM
     from pagedllm.testing.e2e import engine_greedy, prompts
 
-    path, expected = hf_reference("gemma3")
+    path, expected = hf_reference(arch)
     llm = LLM(path, device="cpu", dtype="float32", attention_backend="ipex", **mode)
     assert llm.llm_engine.executor.worker.attn_cls.name == "ipex"
     assert engine_greedy(llm, prompts(16)) == expected

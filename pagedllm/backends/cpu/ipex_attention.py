@@ -16,7 +16,10 @@ process), so ``_check_cache`` verifies shapes before any IPEX call.
 Both kernels take a sliding window and a soft cap (``softcap``; -1.0: off), with limits checked
 against a float64 reference (IPEX 2.8.0+cpu): decode's ``window_size`` counts the visible keys
 (the window), prefill's ``window_size_left`` the keys left of the query (window - 1, where 0 means
-off, so a window of 1 is refused); decode refuses a window and a soft cap together (Gemma 2).
+off, so a window of 1 is refused). IPEX's decode refuses a window and a soft cap together (Gemma
+2's sliding layers): such a layer decodes in torch over the same cache (``torch_decode``: the
+torch reference's masked attention on the sequences' gathered blocks), while its cache writes
+and prefills stay IPEX's, and every other layer runs IPEX throughout.
 
 intel_extension_for_pytorch is imported when the first layer is built, never at import time.
 """
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+from pagedllm.backends.cpu.attention import masked_attention
 
 _IPEX: Any = None
 
@@ -64,11 +68,11 @@ class IpexPagedAttention(AttentionImpl):
         super().__init__(num_heads, head_size, num_kv_heads, scale, **features)
         self._ops = ipex_paged_attention()
         window, cap = self.sliding_window, self.logits_soft_cap
-        if window is not None and (window < 2 or cap is not None):
-            raise ValueError(f"the ipex attention cannot run sliding_window={window} "
-                             f"{'with logits_soft_cap=' + str(cap) if cap is not None else ''} "
-                             "(IPEX takes windows >= 2, and no soft cap with a window); use "
-                             "attention_backend='torch'")
+        if window is not None and window < 2:
+            raise ValueError(f"the ipex attention cannot run sliding_window={window} (IPEX "
+                             "takes windows >= 2); use attention_backend='torch'")
+        # IPEX's decode kernel refuses a window with a soft cap: torch_decode runs those layers
+        self.decode_in_torch = window is not None and cap is not None
         # IPEX's arguments (-1: off): decode's visible keys, prefill's keys left of the query
         self._window = -1 if window is None else window
         self._window_left = -1 if window is None else window - 1
@@ -108,6 +112,8 @@ class IpexPagedAttention(AttentionImpl):
                metadata: AttentionMetadata) -> torch.Tensor:
         """[num_decodes, num_heads, head_size]: one query per sequence over its whole context."""
         self._check_cache(kv_cache, metadata.block_size)
+        if self.decode_in_torch:
+            return self.torch_decode(query, kv_cache, metadata)
         out = torch.empty_like(query)
         self._ops.single_query_cached_kv_attention(
             out, query.contiguous(), kv_cache[0], kv_cache[1],
@@ -117,6 +123,25 @@ class IpexPagedAttention(AttentionImpl):
             metadata.max_decode_seq_len, None, window_size=self._window,
             softcap=self._softcap)
         return out
+
+    def torch_decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: AttentionMetadata) -> torch.Tensor:
+        """Decode in torch over IPEX's cache layout, window and soft cap included: each
+        sequence's blocks gathered to K/V [B, kvH, nb * block_size, D], the query heads of a kv
+        group as that group's query rows, keys outside (seq_len - 1 - window, seq_len) masked."""
+        tables = metadata.decode_block_tables.long()  # [B, nb]
+        b, nb = tables.shape
+        bs, kvh, d = metadata.block_size, self.num_kv_heads, self.head_size
+        # [B, nb, kvH, bs, D] -> [B, kvH, nb * bs, D]
+        k = kv_cache[0][tables].transpose(1, 2).reshape(b, kvh, nb * bs, d)
+        v = kv_cache[1][tables].transpose(1, 2).reshape(b, kvh, nb * bs, d)
+        k_pos = torch.arange(nb * bs, device=query.device)[None, :]
+        seq_lens = metadata.decode_seq_lens.long()[:, None]
+        mask = (k_pos < seq_lens) & (k_pos > seq_lens - 1 - self.sliding_window)  # [B, L]
+        q = query.reshape(b, kvh, self.num_heads // kvh, d)
+        out = masked_attention(q, k.to(query.dtype), v.to(query.dtype), mask[:, None, None, :],
+                               self.scale, self.logits_soft_cap)
+        return out.reshape(b, self.num_heads, d)
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Attention is IPEX's paged attention (``PagedAttention.reshape_and_cache`` for KV writes,
 ``single_query_cached_kv_attention`` for decode, ``flash_attn_varlen_func`` for prefill over
-cached context): the same class as the cpu backend's ``attention_backend="ipex"``
+cached context; the decode of a layer with a window and a soft cap, which IPEX's kernel refuses,
+is torch over the same cache): the same class as the cpu backend's ``attention_backend="ipex"``
 (cpu/ipex_attention.py), which is how this path is tested without the card: IPEX's CPU build
 runs those ops on the host. Block copy and swap are the contract's torch ops (blocks on dim 1).
 Neither torch.xpu's devices nor IPEX are touched until the backend is probed or used.
@@ -32,9 +33,10 @@ class XpuBackend(Backend):
                                 prefix_caching=True, chunked_prefill=True,
                                 dtypes=("bfloat16", "float16", "float32"),
                                 preferred_block_size=16, block_sizes=(16, 32, 64),
-                                # IPEX's kernels run windows; a soft cap only without a window
-                                # (so Gemma 2, which has both, is refused): ipex_attention.py
-                                attention_features=("sliding_window",))
+                                # IPEX's kernels run windows and soft caps; a layer with both
+                                # (Gemma 2's sliding ones) decodes in torch over the same cache
+                                # (cpu/ipex_attention.py: torch_decode)
+                                attention_features=("sliding_window", "logits_soft_cap"))
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
