@@ -20,7 +20,8 @@ def test_choose_covers_every_value_then_fills_to_the_limit() -> None:
         picked = [cases[i] for i in choose(cases, limit)]
         assert {c["dtype"] for c in picked} == {"f32", "bf16", "f16"}
         assert {c["hs"] for c in picked} == {32, 64, 80, 96, 112}
-        assert len(picked) == max(limit, 5) and len({tuple(c.items()) for c in picked}) == len(picked)
+        assert len(picked) == max(limit, 5)
+        assert len({tuple(c.items()) for c in picked}) == len(picked)
     # values spread over the other dimension: no dtype runs most of the head sizes alone
     picked = [cases[i] for i in choose(cases, 1)]
     assert max(sum(c["dtype"] == d for c in picked) for d in ("f32", "bf16", "f16")) == 2
