@@ -66,11 +66,12 @@ def _guided_params(schema: dict[str, Any], api: str) -> dict[str, Any]:
 def _profile_guided(llm: Any) -> dict[str, float]:
     """Wraps pagedllm's guided-decoding steps with timers; returns the dict of seconds they add
     to (engine thread: ``mask_build`` bookkeeping and the fill's start, ``mask_wait`` the
-    sampler's wait for the mask after the forward, ``apply`` the op, ``advance`` the accepts;
-    helper thread: ``fill`` xgrammar's row fills) plus ``steps``."""
+    sampler's wait for the mask after the forward, ``apply`` the op, ``advance`` recording the
+    sampled tokens; helper thread: ``job`` xgrammar accepting them and filling the rows) plus
+    ``steps``."""
     from pagedllm.engine.guided import manager
 
-    totals: dict[str, float] = {"mask_build": 0.0, "mask_wait": 0.0, "fill": 0.0,
+    totals: dict[str, float] = {"mask_build": 0.0, "mask_wait": 0.0, "job": 0.0,
                                 "apply": 0.0, "advance": 0.0, "steps": 0.0}
 
     def timed(fn: Any, key: str) -> Any:
@@ -85,7 +86,7 @@ def _profile_guided(llm: Any) -> dict[str, float]:
     guided = llm.llm_engine.guided
     guided.bitmask = timed(guided.bitmask, "mask_build")
     guided.advance = timed(guided.advance, "advance")
-    guided._fill_rows = timed(guided._fill_rows, "fill")
+    guided._job = timed(guided._job, "job")
     manager.PendingBitmask.result = timed(manager.PendingBitmask.result, "mask_wait")
     sampler = llm.llm_engine.executor.worker.runner.sampler
     sampler.apply_token_bitmask = timed(sampler.apply_token_bitmask, "apply")

@@ -6,10 +6,13 @@ Matchers are keyed by (request id, completion index), not by KV state, so they s
 preemption by recompute and by swap unchanged: a preempted sequence keeps its tokens, and the
 matcher has accepted exactly those.
 
-A step's mask is filled on one helper thread while the model's forward runs (xgrammar releases
-the GIL): ``bitmask`` returns a ``PendingBitmask`` at once and the model runner waits for it
-only when it samples. Invariant: at most one fill is in flight, and the engine thread touches
-the matchers (accept, fork, free) only after waiting for it (``_settle``).
+The matcher work of a step runs on one helper thread while the model's forward runs (xgrammar
+releases the GIL): ``advance`` only records the sampled tokens (and forks), and ``bitmask``
+starts a job that accepts them and then fills the step's rows, returning a ``PendingBitmask``
+at once, which the model runner waits for only when it samples. The forward needs neither.
+Invariants: at most one job is in flight; the engine thread touches the matchers and the
+recorded tokens only after waiting for it (``_settle``); every guided row a step samples was
+filled by that step's job, so a matcher has at most one recorded token when a job starts.
 """
 from __future__ import annotations
 
@@ -82,7 +85,9 @@ class GuidedManager:
         self._stop: torch.Tensor | None = None  # the row of a terminated matcher, made once
         self.overlap = OVERLAP
         self._fill_pool: ThreadPoolExecutor | None = None
-        self._fill: Future | None = None  # the step's fill in flight, if any
+        self._fill: Future | None = None  # the step's job in flight, if any
+        # (request id, matcher, token) sampled but not yet accepted: the next job accepts them
+        self._accepts: list[tuple[str, Any, int]] = []
 
     @property
     def service(self) -> GrammarCompilerService:
@@ -150,6 +155,8 @@ class GuidedManager:
 
     def free(self, request_id: str) -> None:
         self._settle()
+        if any(rid == request_id for rid, _, _ in self._accepts):
+            self._accepts = [a for a in self._accepts if a[0] != request_id]
         if self._grammars.pop(request_id, None) is not None:
             for key in [k for k in self._matchers if k[0] == request_id]:
                 del self._matchers[key]
@@ -175,25 +182,46 @@ class GuidedManager:
         if not rows:
             return None
         mask = torch.full((len(sched.batch.seqs), self.words), -1, dtype=torch.int32)
-        live: list[tuple[int, Any]] = []
+        targets: list[tuple[int, Any]] = []
         for i in rows:
             group, seq = sched.entries[i]
             if sched.batch.seqs[i].token_ids[-1] == PENDING_TOKEN:
                 raise RuntimeError("a guided sequence was scheduled ahead of its last token")
-            m = self._matcher(group.request_id, seq.index)
+            targets.append((i, self._matcher(group.request_id, seq.index)))
+        if not self.overlap:
+            return self._job(mask, targets)
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="pagedllm-bitmask")
+        self._fill = self._fill_pool.submit(self._job, mask, targets)
+        return PendingBitmask(self._fill)
+
+    def _job(self, mask: torch.Tensor, targets: list[tuple[int, Any]]) -> torch.Tensor:
+        """The recorded tokens accepted, then row i of ``mask`` from matcher m for each (i, m)
+        in ``targets`` (a terminated matcher's row: only its stop tokens); returns mask."""
+        self._accept_recorded()
+        live: list[tuple[int, Any]] = []
+        for i, m in targets:
             if m.is_terminated():  # only its stop tokens remain (e.g. with ignore_eos)
                 mask[i] = self._stop_row()
             else:
                 live.append((i, m))
-        if not live:
-            return mask
-        if not self.overlap:
-            return self._fill_rows(mask, live)
-        if self._fill_pool is None:
-            self._fill_pool = ThreadPoolExecutor(max_workers=1,
-                                                 thread_name_prefix="pagedllm-bitmask")
-        self._fill = self._fill_pool.submit(self._fill_rows, mask, live)
-        return PendingBitmask(self._fill)
+        return self._fill_rows(mask, live) if live else mask
+
+    def _accept_recorded(self) -> None:
+        """xgrammar accepts the tokens ``advance`` recorded, in one call."""
+        recorded, self._accepts = self._accepts, []
+        recorded = [a for a in recorded if not a[1].is_terminated()]
+        if not recorded:
+            return
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([m for _, m, _ in recorded],
+                                                              [t for _, _, t in recorded])
+        for ok, (rid, _, token) in zip(accepted, recorded):
+            if not ok:
+                logger.warning("request %s: the grammar rejected sampled token %d (every "
+                               "allowed token had probability 0?)", rid, token)
 
     def _fill_rows(self, mask: torch.Tensor, live: list[tuple[int, Any]]) -> torch.Tensor:
         """Fills row i of ``mask`` from matcher m for each (i, m) in ``live``; returns mask."""
@@ -231,40 +259,23 @@ class GuidedManager:
         return self._stop
 
     def advance(self, sched: Any, outputs: list[SeqOutput]) -> None:
-        """Feed each guided sequence the token(s) the step sampled for it, before the engine
-        applies them; a request's first step with several samples forks its matcher (the
-        output processor forks the sequences the same way, child j getting index j). The
-        accepts go to xgrammar in one call."""
+        """Records the token(s) the step sampled for each guided sequence, before the engine
+        applies them (the next step's job accepts them); a request's first step with several
+        samples forks its matcher now, before its parent accepts (the output processor forks
+        the sequences the same way, child j getting index j)."""
         self._settle()
         if not self._grammars:
             return
-        matchers: list[Any] = []
-        tokens: list[int] = []
-        rids: list[str] = []
         for (group, seq), out in zip(sched.entries, outputs):
             rid = group.request_id
             if not out.samples or seq.is_finished() or rid not in self._grammars:
                 continue
             m = self._matcher(rid, seq.index)
-            pairs = [(m, out.samples[0].token_id)]
             if not group.forked:
                 for j, sample in enumerate(out.samples[1:], start=1):
                     child = self._matchers[(rid, j)] = m.fork()
-                    pairs.append((child, sample.token_id))
-            for matcher, token in pairs:
-                if not matcher.is_terminated():
-                    matchers.append(matcher)
-                    tokens.append(token)
-                    rids.append(rid)
-        if not matchers:
-            return
-        import xgrammar as xgr
-
-        for ok, token, rid in zip(xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens),
-                                  tokens, rids):
-            if not ok:
-                logger.warning("request %s: the grammar rejected sampled token %d (every "
-                               "allowed token had probability 0?)", rid, token)
+                    self._accepts.append((rid, child, sample.token_id))
+            self._accepts.append((rid, m, out.samples[0].token_id))
 
     def shutdown(self) -> None:
         self._settle()
