@@ -117,3 +117,21 @@ def test_other_layouts_ignore_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
                             torch.device("cpu"), seed=0)
     quant_ops.quant_linear_prepare(layer)
     assert layer.cpu_quant_route == "int4" and not hasattr(layer, "act_quant")
+
+
+def test_conformance_quant_linear_in_lowp_mode() -> None:
+    """The conformance suite's quantized-linear check (pagedllm/testing/test_quant_linear.py)
+    passes for the cpu backend with the mode on, under its documented int8-activation bound."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               **{quant_ops.LOWP_MODE_ENV: "int8"})
+    env.pop("PAGEDLLM_TEST_DEVICE", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--pyargs", "pagedllm.testing.test_quant_linear", "--device", "cpu",
+                           "-k", "int8-channel-sym"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "passed" in proc.stdout and "failed" not in proc.stdout.split("\n")[-2]
