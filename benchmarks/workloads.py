@@ -16,7 +16,8 @@ uses prompts of its own distribution that are not in its timed set.
 
 Each engine runs in its own process (benchmarks/_peers.py; vLLM under $PAGEDLLM_BENCH_VLLM_PYTHON)
 that loads the model once per dtype and runs every workload in turn; the engines run round robin
-(--repeats N: N rounds, the median per engine and workload). roofline.py runs once first, in its
+(--repeats N: N rounds; the table shows the median round per engine and workload, with the
+min-max of the rounds' elapsed times beside it). roofline.py runs once first, in its
 own process: each result's achieved GFLOP/s is printed as a fraction of the GEMM peak of its dtype.
 Threads: every process may use both cores (torch's default of one intra-op thread per core for
 pagedllm and HF; vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU=0 and its default
@@ -148,8 +149,8 @@ def summarize(engine_runs: dict[str, list[dict[str, Any]]], facts: dict[str, dic
 def report_lines(dtype: str, summary: dict[str, dict[str, dict[str, Any]]],
                  facts: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"### {dtype}", "",
-             "| workload | requests | in / out tokens | engine | elapsed s | out tok/s "
-             "| total tok/s | GFLOP/s | % GEMM peak | pagedllm / engine |",
+             "| workload | requests | in / out tokens | engine | elapsed s (median [min-max]) "
+             "| out tok/s | total tok/s | GFLOP/s | % GEMM peak | pagedllm / engine |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for name, engines in summary.items():
         fact = facts[name]
@@ -164,7 +165,9 @@ def report_lines(dtype: str, summary: dict[str, dict[str, dict[str, Any]]],
             ratio = (f"{r['elapsed_s'] / base['elapsed_s']:.2f}x"
                      if engine != "pagedllm" and "elapsed_s" in base else "")
             pct = f"{100 * r['peak_fraction']:.0f}%" if r["peak_fraction"] else "-"
-            lines.append(head + f"| {r['elapsed_s']:.2f} | {r['output_tok_per_s']:.1f} "
+            rounds = r["rounds_s"]  # every successful round: median [min-max] when several
+            spread = f" [{min(rounds):.2f}-{max(rounds):.2f}]" if len(rounds) > 1 else ""
+            lines.append(head + f"| {r['elapsed_s']:.2f}{spread} | {r['output_tok_per_s']:.1f} "
                          f"| {r['total_tok_per_s']:.1f} | {r['gflops']:.1f} | {pct} "
                          f"| {ratio} |")
     lines.append("")

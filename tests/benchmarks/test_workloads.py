@@ -49,3 +49,35 @@ def test_work_flops_by_hand() -> None:
     two = workloads.work_flops(config, [[1, 2, 3, 4], [1, 2, 3, 4]], [2, 2], shared_prefix=4)
     assert two == pytest.approx(want + 2.0 * layers * 2 + 2.0 * head * 2
                                 + 4.0 * 2 * 8 * 2 * (4 + 1))
+
+
+def _round(elapsed: float, tokens: list[list[int]]) -> dict:
+    return {"workloads": {"fixed": {"elapsed_s": elapsed, "token_ids": tokens}}}
+
+
+def test_repeats_report_the_median_round_and_the_spread() -> None:
+    facts = {"fixed": dict(requests=2, prompt_tokens=4, output_tokens=2, flops=8e9)}
+    runs = {"pagedllm": [_round(t, [[1], [2]]) for t in (3.0, 1.0, 2.0)],
+            "vllm": [_round(t, [[1], [2]]) for t in (4.0, 6.0, 5.0)]}
+    summary = workloads.summarize(runs, facts, peak=8.0)
+    assert summary["fixed"]["pagedllm"]["elapsed_s"] == 2.0  # the median, not the first
+    assert summary["fixed"]["pagedllm"]["peak_fraction"] == pytest.approx(0.5)
+    rows = [line for line in workloads.report_lines("bfloat16", summary, facts)
+            if line.startswith("| fixed")]
+    assert "| 2.00 [1.00-3.00] |" in rows[0]
+    assert "| 5.00 [4.00-6.00] |" in rows[1] and rows[1].endswith("| 2.50x |")
+
+
+def test_serving_report_ratio_is_pagedllm_over_vllm() -> None:
+    import serve_workloads
+
+    def summary(tps: float) -> dict:
+        return {"prefill": dict(completed=2, output_throughput=tps, ttft_ms={"median": 1.0},
+                                tpot_ms={"median": 2.0})}
+
+    rounds = {"pagedllm": [summary(30.0), summary(10.0), summary(20.0)],
+              "vllm": [summary(8.0), {"error": "exit 1"}, summary(12.0)]}
+    rows = [line for line in serve_workloads.report(rounds, ["prefill"], "bfloat16")
+            if line.startswith("| prefill")]
+    assert "| 20.0 [10.0-30.0] |" in rows[0]
+    assert "| 10.0 [8.0-12.0] |" in rows[1] and rows[1].endswith("| 2.00x |")
