@@ -234,6 +234,9 @@ def hf_reference(path: str, ps: list[list[int]]) -> tuple[list[list[int]], list[
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # generate() fills unset fields from the checkpoint's generation_config.json: without this
+    # its eos_token_id would stop a row that pagedllm (ignore_eos) continues
+    model.generation_config.eos_token_id = None
     cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     tokens, logprobs = [], []
