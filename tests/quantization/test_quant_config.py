@@ -109,3 +109,24 @@ def test_unpack_bit_order() -> None:
     # AWQ: field i holds column AWQ_ORDER[i]
     assert unpack_int32(word, 4, dim=1, order=(0, 2, 4, 6, 1, 3, 5, 7)).tolist() == \
         [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+def test_awq_without_zero_point() -> None:
+    """zero_point=False (GPTQModel's symmetric AWQ): qzeros are used where stored and the
+    midpoint 8 where absent; with zero_point=True a missing qzeros is an error."""
+    from pagedllm.models.layers.quantization.awq import AWQ_ORDER, AWQConfig
+
+    codes = torch.randint(0, 16, (64, 16))  # [in, out]
+    qweight = pack_int32(codes, 4, dim=1, order=AWQ_ORDER)
+    scales = torch.rand(2, 16).half()  # 2 groups of 32
+    cfg = AWQConfig.from_config({**AWQ, "group_size": 32, "zero_point": False})
+    got = dict(cfg.convert([("m.qweight", qweight), ("m.scales", scales)]))
+    assert torch.equal(got["m.quant.zero"], torch.full((16, 2), 8.0))
+    assert torch.equal(got["m.weight"], codes.t().to(got["m.weight"].dtype))
+    zeros = torch.randint(0, 16, (2, 16))
+    qzeros = pack_int32(zeros, 4, dim=1, order=AWQ_ORDER)
+    got = dict(cfg.convert([("m.qweight", qweight), ("m.qzeros", qzeros), ("m.scales", scales)]))
+    assert torch.equal(got["m.quant.zero"], zeros.t().float())
+    with pytest.raises(ValueError, match="qzeros"):
+        dict(AWQConfig.from_config({**AWQ, "group_size": 32}).convert(
+            [("m.qweight", qweight), ("m.scales", scales)]))
