@@ -123,7 +123,8 @@ def gemm_bench(preset: str, rows: list[int], repeats: int) -> dict[str, Any]:
     from pagedllm.models.layers.quantization.synthetic import LAYOUTS, SyntheticLinear
 
     cfg = make_config(preset, "bfloat16")
-    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = h // cfg.num_attention_heads
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, h), (h, h),
               (2 * inter, h), (h, inter)]  # [out, in]
     layers: dict[str, list[Any]] = {"bf16": [], "int8": [], "int8-lowp": []}

@@ -49,7 +49,10 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
-int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
+// Rows per task of at::parallel_for: enough work per task to amortize the hand-off.
+int64_t grain_rows(int64_t cols) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
+}
 
 template <typename T>
 void quantize_rows(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {

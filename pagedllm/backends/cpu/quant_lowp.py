@@ -59,10 +59,11 @@ def available() -> bool:
                          torch.zeros(16, dtype=torch.int64))
             _available = bool(torch.equal(y, 127.0 * 64 * codes.float()[None]))
             if not _available:
-                logger.info("cpu: oneDNN int8 linears are not exact here (no VNNI?); the "
+                logger.warning("cpu: oneDNN int8 linears are not exact here (no VNNI?); the "
                             "lowp int8 mode is off")
         except (RuntimeError, AttributeError) as exc:
-            logger.info("cpu: oneDNN int8 linears unavailable (%s)", exc)
+            logger.warning("cpu: oneDNN int8 linears unavailable (%s); the lowp int8 mode is off",
+                           exc)
             _available = False
     return _available
 
