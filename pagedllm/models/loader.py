@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.embedding import ParallelLMHead
 from pagedllm.models.layers.linear import LayerContext, LinearBase
+from pagedllm.models.layers.moe import FusedExperts
 from pagedllm.models.layers.quantization import get_quantization_config
 from pagedllm.models.layers.quantization.dummy import init_dummy_quantized
 from pagedllm.models.layers.quantization.kv_scales import apply_kv_scales, split_kv_scales
@@ -63,6 +64,8 @@ def prepare_linears(model: nn.Module, ctx: LayerContext) -> None:
             ctx.ops.quant_linear_prepare(module)
         elif isinstance(module, (LinearBase, ParallelLMHead)):
             ctx.ops.linear_prepare(module)
+        elif isinstance(module, FusedExperts):
+            ctx.ops.fused_moe_prepare(module)
 
 
 def load_model(model_config: ModelConfig, ctx: LayerContext) -> nn.Module:

@@ -101,12 +101,14 @@ class CpuBackend(Backend):
         where the cpu kernels load, unless attention_backend="torch"."""
         from pagedllm.backends.cpu import ops as cpu_ops
         from pagedllm.backends.cpu import quant_ops
-        from pagedllm.models.layers.moe_ops import fused_moe_grouped
+        from pagedllm.backends.cpu import fused_moe
 
         ops.register("linear_prepare", cpu_ops.linear_prepare)
         ops.register("linear", cpu_ops.linear)
         quant_ops.register(ops)  # weight-only INT8 / INT4 kernels for quantized checkpoints
-        ops.register("fused_moe", fused_moe_grouped)  # one sort by expert; bit-equal
+        # one sort by expert, each expert's GEMMs on weights packed after loading
+        ops.register("fused_moe_prepare", fused_moe.fused_moe_prepare)
+        ops.register("fused_moe", fused_moe.fused_moe)
         from pagedllm.backends.cpu import bitmask
 
         if bitmask.available():  # guided decoding's mask on xgrammar's C++ kernel

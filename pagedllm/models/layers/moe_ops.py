@@ -1,13 +1,17 @@
 """The ``fused_moe`` op (vLLM's signature): top-k routing and the SiLU-gated experts of a sparse
 MoE block in one call. ``fused_moe`` is the per-expert torch reference (the ops-registry default,
-what the conformance suite compares to); ``fused_moe_grouped`` is the cpu path: the (token,
-slot) pairs sorted by expert once, then one matmul pair per expert hit, bit-equal to the
-reference. Torch only (no model imports: ops.py imports this module).
+what the conformance suite compares to); ``fused_moe_grouped``: the (token, slot) pairs sorted
+by expert once, then one matmul pair per expert hit, bit-equal to the reference (``run_grouped``
+takes the expert MLP as a function: the cpu backend's runs on pre-packed weights,
+backends/cpu/fused_moe.py); ``fused_moe_prepare`` runs once per block after loading. Torch only
+(no model imports: ops.py imports this module).
 
 Shapes: hidden [T, H]; w13 [E, 2 * I, H] (gate rows then up rows, HF's w1 then w3); w2 [E, H, I];
 gating_output [T, E] router logits. Returns [T, H] in hidden's dtype.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +29,23 @@ def select_experts(gating_output: torch.Tensor, topk: int,
     return weights, ids
 
 
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            weight: torch.Tensor) -> torch.Tensor:
-    """One expert on its rows x [n, H]: (silu(x w1^T) * x w3^T) w2^T, scaled per row."""
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows x [n, H]: (silu(x w1^T) * x w3^T) w2^T, in x's dtype."""
     inter = w2.shape[-1]
     h = F.linear(x, w13)
     h = F.silu(h[:, :inter]) * h[:, inter:]
-    return F.linear(h, w2) * weight[:, None]
+    return F.linear(h, w2)
+
+
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            weight: torch.Tensor) -> torch.Tensor:
+    """``expert_mlp`` scaled per row by the float32 routing ``weight`` [n] (a float32 result)."""
+    return expert_mlp(x, w13, w2) * weight[:, None]
+
+
+def fused_moe_prepare(experts: torch.nn.Module) -> None:
+    """Called once per MoE block's experts (``w13``, ``w2`` submodules) after loading, e.g. to
+    pre-pack each expert's weights; the reference needs nothing."""
 
 
 def check_shapes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -71,13 +85,14 @@ def group_by_expert(ids: torch.Tensor, num_experts: int
     return order % t, order // t, counts
 
 
-def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
-    """The cpu path: one sort and one gather instead of a mask scan per expert; the experts
-    that no token picked cost nothing. Same rows, order and arithmetic as ``fused_moe``."""
-    check_shapes(hidden, w13, w2, gating_output, topk)
+def run_grouped(hidden: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                renormalize: bool, num_experts: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed pairs grouped by expert (one sort, one gather), ``expert(e, rows [n, H])``
+    -> its MLP output [n, H] in hidden's dtype, run once per expert hit, then scaled by the
+    routing weights and summed per token exactly as the reference does."""
     weights, ids = select_experts(gating_output, topk, renormalize)
-    tok, slot, counts = group_by_expert(ids, w13.shape[0])
+    tok, slot, counts = group_by_expert(ids, num_experts)
     x = hidden[tok]  # [T * topk, H], grouped by expert
     pair_weights = weights[tok, slot]
     out = torch.zeros_like(hidden)
@@ -86,10 +101,19 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if n == 0:
             continue
         rows = slice(start, start + n)
-        y = _expert(x[rows], w13[e], w2[e], pair_weights[rows])
+        y = expert(e, x[rows]) * pair_weights[rows, None]
         out.index_add_(0, tok[rows], y.to(out.dtype))
         start += n
     return out
+
+
+def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
+    """One sort and one gather instead of a mask scan per expert; the experts that no token
+    picked cost nothing. Same rows, order and arithmetic as ``fused_moe``."""
+    check_shapes(hidden, w13, w2, gating_output, topk)
+    return run_grouped(hidden, gating_output, topk, renormalize, w13.shape[0],
+                       lambda e, x: expert_mlp(x, w13[e], w2[e]))
 
 
 def fused_moe_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

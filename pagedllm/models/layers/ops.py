@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedllm.models.layers.moe_ops import fused_moe
+from pagedllm.models.layers.moe_ops import fused_moe, fused_moe_prepare
 from pagedllm.models.layers.quantization.reference import quant_linear, quant_linear_prepare
 
 
@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 class Ops:
     """A per-engine table of ops. Backends replace entries in ``Backend.register_ops``."""
 
-    NAMES = ("fused_moe", "rms_norm", "gemma_rms_norm",
+    NAMES = ("fused_moe", "fused_moe_prepare", "rms_norm", "gemma_rms_norm",
              "rotary", "silu_and_mul", "linear", "linear_prepare", "greedy_logprobs",
              "apply_token_bitmask", "quant_linear", "quant_linear_prepare", "gelu_tanh_and_mul")
 
@@ -113,6 +113,8 @@ class Ops:
         self.rotary: Callable[..., torch.Tensor] = rotary
         # sparse MoE experts with top-k routing (models/layers/moe_ops.py)
         self.fused_moe: Callable[..., torch.Tensor] = fused_moe
+        # once per MoE block's experts after loading (e.g. pre-packing each expert's weights)
+        self.fused_moe_prepare: Callable[[torch.nn.Module], None] = fused_moe_prepare
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
         self.gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
         self.linear: Callable[[torch.Tensor, Any], torch.Tensor] = linear
