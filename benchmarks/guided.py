@@ -131,15 +131,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if api == "pagedllm":  # A/B: the mask filled on the engine thread before the forward
         modes.append(("guided_serial", guided))
         result["guided_serial"] = []
+        overlap = llm.llm_engine.guided.overlap  # the default ($PAGEDLLM_GUIDED_OVERLAP)
     for _ in range(spec["repeats"]):  # round robin, so drift hits every mode alike
         for mode, g in modes:
             if api == "pagedllm":
-                llm.llm_engine.guided.overlap = mode != "guided_serial"
+                llm.llm_engine.guided.overlap = overlap and mode != "guided_serial"
             elapsed, tokens = run(g)
             result[mode].append({"elapsed_s": elapsed, "tokens": tokens,
                                  "tok_s": tokens / elapsed})
     if api == "pagedllm":
-        llm.llm_engine.guided.overlap = True
+        llm.llm_engine.guided.overlap = overlap
     for mode in ("ttft_plain", "ttft_cold"):
         times = []
         for _ in range(spec["repeats"]):
