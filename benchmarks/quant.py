@@ -113,7 +113,8 @@ def run(path: Path, prompts: list[list[int]], output_len: int, device: str) -> t
 
 def gemm_bench(preset: str, rows: list[int], repeats: int) -> dict[str, Any]:
     """The cpu ops alone on the preset's linear shapes (q/k/v, o, gate/up, down): ms per layer
-    for bf16 (the oneDNN packed linear the engine runs), INT8 weight-only and INT8 lowp, each
+    for bf16 (the oneDNN packed linear the engine runs), INT8 / INT4 weight-only (default
+    routing, and "-wo": torch's weight-only kernel at every row count) and INT8 lowp, each
     row count's variants timed in turn, best of ``repeats`` (this machine is shared: the best is
     the least disturbed)."""
     import types
@@ -127,20 +128,28 @@ def gemm_bench(preset: str, rows: list[int], repeats: int) -> dict[str, Any]:
     hd = h // cfg.num_attention_heads
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, h), (h, h),
               (2 * inter, h), (h, inter)]  # [out, in]
-    layers: dict[str, list[Any]] = {"bf16": [], "int8": [], "int8-lowp": []}
+    # variant -> (layout, lowp mode, dequantize-route row threshold): "-wo" keeps torch's
+    # weight-only kernel at every row count (the route before issue 32's dequantize + GEMM)
+    variants = {"int8": ("int8-channel-sym", "none", quant_ops.DEQUANT_MIN_ROWS),
+                "int8-wo": ("int8-channel-sym", "none", 1 << 30),
+                "int8-lowp": ("int8-channel-sym", "int8", quant_ops.DEQUANT_MIN_ROWS),
+                "int4": ("int4-g32-asym", "none", quant_ops.DEQUANT_MIN_ROWS),
+                "int4-wo": ("int4-g32-asym", "none", 1 << 30)}
+    layers: dict[str, list[Any]] = {"bf16": [], **{name: [] for name in variants}}
     for i, (out, inp) in enumerate(shapes):
-        for name, mode in (("int8", "none"), ("int8-lowp", "int8")):
+        for name, (layout, mode, dequant_rows) in variants.items():
             os.environ[LOWP_MODE_ENV] = mode
-            q = SyntheticLinear(LAYOUTS["gptq"]["int8-channel-sym"], out, inp, torch.bfloat16,
+            os.environ[quant_ops.DEQUANT_ROWS_ENV] = str(dequant_rows)
+            q = SyntheticLinear(LAYOUTS["gptq"][layout], out, inp, torch.bfloat16,
                                 torch.device("cpu"), seed=i)
             quant_ops.quant_linear_prepare(q)
             layers[name].append(q)
+        os.environ.pop(quant_ops.DEQUANT_ROWS_ENV)
         dense = types.SimpleNamespace(weight=torch.nn.Parameter(
             torch.randn(out, inp, dtype=torch.bfloat16) * 0.02, requires_grad=False), bias=None)
         cpu_ops.linear_prepare(dense)
         layers["bf16"].append(dense)
-    fns = {"bf16": cpu_ops.linear, "int8": quant_ops.quant_linear,
-           "int8-lowp": quant_ops.quant_linear}
+    fns = {"bf16": cpu_ops.linear, **{name: quant_ops.quant_linear for name in variants}}
     report: dict[str, Any] = {}
     for m in rows:
         xs = [torch.randn(m, inp, dtype=torch.bfloat16) for _, inp in shapes]

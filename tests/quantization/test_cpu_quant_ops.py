@@ -51,7 +51,9 @@ CASES = {  # name -> (bits, group_size, sym, g_idx, expected route)
     "int8-channel-sym": (8, 0, True, False, "int8"),
     "int4-g32-asym": (4, 32, False, False, "int4"),
     "int4-g128-sym": (4, 128, True, False, "int4"),
-    "int8-g32-sym": (8, 32, True, False, None),  # grouped INT8: no kernel, the reference
+    "int8-g32-sym": (8, 32, True, False, "int8_grouped"),  # always dequantize + dense GEMM
+    "int8-g128-sym": (8, 128, True, False, "int8_grouped"),
+    "int8-g32-asym": (8, 32, False, False, None),
     "int8-channel-asym": (8, 0, False, False, None),
     "int4-g32-act-order": (4, 32, True, True, None),
 }
@@ -59,8 +61,10 @@ CASES = {  # name -> (bits, group_size, sym, g_idx, expected route)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, quant_ops.DEQUANT_MIN_ROWS, 40])
 def test_matches_float64_dequantized(case: str, dtype: torch.dtype, rows: int) -> None:
+    """Both INT8 routes: the weight-only kernel below DEQUANT_MIN_ROWS, dequantize + GEMM
+    from it."""
     bits, gs, sym, g_idx, route = CASES[case]
     layer = Layer(96, 256, Method(bits, gs, g_idx), dtype, sym)
     w64 = dequantize_weight(layer, torch.float64)
@@ -88,3 +92,45 @@ def test_env_switch_keeps_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = Layer(32, 64, Method(8, 0), torch.float32, sym=True)
     quant_ops.quant_linear_prepare(layer)
     assert layer.cpu_quant_route is None and layer.weight.numel() == 32 * 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threshold", ["1", "1000000"])
+def test_int8_routes_agree_with_each_other(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                           threshold: str) -> None:
+    """The same rows through the weight-only kernel (huge threshold) and the dequantize route
+    (threshold 1) both match the float64 reference, and the scratch holds one layer's weight."""
+    monkeypatch.setenv(quant_ops.DEQUANT_ROWS_ENV, threshold)
+    layer = Layer(80, 192, Method(8, 0), dtype, sym=True, seed=3)
+    w64 = dequantize_weight(layer, torch.float64)
+    quant_ops.quant_linear_prepare(layer)
+    assert layer.cpu_dequant_min_rows == int(threshold)
+    x = torch.randn(16, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
+    before = quant_ops.scratch_bytes()
+    y = quant_ops.quant_linear(x, layer)
+    ref = x.double() @ w64.t()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    if threshold == "1":
+        assert quant_ops.scratch_bytes() >= 80 * 192 * torch.finfo(dtype).bits // 8
+    else:
+        assert quant_ops.scratch_bytes() == before
+
+
+def test_scratch_is_reused_across_layers() -> None:
+    """Layers of different sizes share one buffer per dtype, sized to the largest."""
+    layers = [Layer(o, i, Method(8, 32), torch.float32, sym=True, seed=o) for o, i in
+              ((64, 128), (160, 256), (32, 64))]
+    for layer in layers:
+        quant_ops.quant_linear_prepare(layer)
+        quant_ops.quant_linear(torch.randn(3, layer.quant.scale.shape[1] * 32), layer)
+    assert quant_ops.scratch_bytes() >= 160 * 256 * 4
+    assert quant_ops.scratch_bytes() <= 160 * 256 * 4 + 4 * 1024 * 1024  # other tests' bf16
+
+
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_bad_dequant_rows_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(quant_ops.DEQUANT_ROWS_ENV, value)
+    layer = Layer(32, 64, Method(8, 0), torch.float32, sym=True)
+    with pytest.raises(ValueError, match=quant_ops.DEQUANT_ROWS_ENV):
+        quant_ops.quant_linear_prepare(layer)

@@ -7,10 +7,16 @@ layout) once after loading, where the layout fits a kernel:
   - 4-bit codes in groups of 32/64/128/256 in column order (no act-order g_idx):
     ``torch._weight_int4pack_mm_for_cpu``, which computes (q - 8) * scale + offset per group, so
     the zero point z becomes the offset (8 - z) * scale.
+  - 8-bit codes, symmetric, in groups (llm-compressor's W8A16 group 128): int8 codes [out, in]
+    and one scale per group, always through the dequantize route below.
 Both run in the activation dtype with float accumulation (exact to float32 rounding for float32
-models). Other layouts (grouped INT8, act order, FP8 weights) keep the reference
-dequantize-and-multiply. The packed weights replace the codes (the INT4 packing is half a byte
-per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
+models). Those kernels are GEMV-like: at many rows (>= $PAGEDLLM_CPU_QUANT_DEQUANT_ROWS, default
+``DEQUANT_MIN_ROWS``) the INT8 routes dequantize the layer's weight into one per-thread scratch
+buffer in the activation dtype (sized to the largest layer seen, so resident memory is the codes
+plus one layer's dense copy: ``scratch_bytes()``) and run the dense GEMM on it (INT8 codes are
+exact in bf16; the per-channel scale multiplies the output). Other layouts (act order, FP8
+weights) keep the reference dequantize-and-multiply. The packed weights replace the codes (the
+INT4 packing is half a byte per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
 
 Low-precision compute mode (IPEX's ``lowp_mode``), PAGEDLLM_CPU_QUANT_LOWP_MODE:
   - ``none`` (default): weight-only, as above: activations stay in the model dtype, so results
@@ -27,9 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backends.cpu import quant_lowp
@@ -41,6 +49,11 @@ QUANT_KERNELS_ENV = "PAGEDLLM_CPU_QUANT_KERNELS"
 LOWP_MODE_ENV = "PAGEDLLM_CPU_QUANT_LOWP_MODE"
 LOWP_MODES = ("none", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+DEQUANT_ROWS_ENV = "PAGEDLLM_CPU_QUANT_DEQUANT_ROWS"
+# rows from which dequantize + dense GEMM beats torch's weight-only INT8 kernel (1 thread, K/N
+# 1024 x 2816, bf16: 0.57 vs 0.74 ms at 8 rows, 1.17 vs 0.95 ms at 16, 8.7 vs 2.2 ms at 64)
+DEQUANT_MIN_ROWS = 12
+_scratch = threading.local()  # .buffers: dtype -> flat tensor, this thread's dequantized weight
 
 
 def quant_kernels_enabled() -> bool:
@@ -56,14 +69,62 @@ def lowp_mode() -> str:
     return mode
 
 
+def dequant_min_rows() -> int:
+    """Rows from which the INT8 routes dequantize and run the dense GEMM ($DEQUANT_ROWS_ENV)."""
+    raw = os.environ.get(DEQUANT_ROWS_ENV, "").strip()
+    if not raw:
+        return DEQUANT_MIN_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 1:
+        raise ValueError(f"{DEQUANT_ROWS_ENV}={raw!r} is not a row count; allowed: an integer "
+                         f">= 1 (a huge value keeps the weight-only kernel at every batch)")
+    return rows
+
+
+def scratch_bytes() -> int:
+    """Bytes of this thread's dequantization scratch buffers (the resident cost of the route)."""
+    buffers = getattr(_scratch, "buffers", {})
+    return sum(b.numel() * b.element_size() for b in buffers.values())
+
+
+def _scratch_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A [out, in] view of this thread's scratch buffer for ``dtype``, grown to fit."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    n = shape[0] * shape[1]
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = buffers[dtype] = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
+
+
+def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x [T, in] @ dequantized weight^T on the dense GEMM; the weight lives in the scratch."""
+    codes = layer.cpu_int8_weight  # [out, in] int8, the checkpoint's codes - 128
+    w = _scratch_weight(tuple(codes.shape), x.dtype)
+    if layer.cpu_quant_route == "int8":  # per channel: exact codes, the scale on the output
+        return F.linear(x, w.copy_(codes)).mul_(layer.cpu_int8_scale)
+    out, inp = codes.shape
+    scale = layer.cpu_int8_group_scale  # [out, groups, 1]
+    groups = scale.shape[1]
+    torch.mul(codes.view(out, groups, inp // groups), scale,
+              out=w.view(out, groups, inp // groups))
+    return F.linear(x, w)
+
+
 def _route(layer: nn.Module) -> str | None:
-    """"int8", "int4" or None (the reference) for this layer's layout."""
+    """"int8", "int8_grouped", "int4" or None (the reference) for this layer's layout."""
     q, w = layer.quant, layer.weight
     if w.dtype != torch.uint8 or q.zero is None or q.act != "none":
         return None
     bits = q.method.bits
     if bits == 8 and q.scale.shape[1] == 1 and bool((q.zero == 128).all()):
         return "int8"
+    if (bits == 8 and q.g_idx is None and q.group_size and q.group_size * q.scale.shape[1]
+            == w.shape[1] and bool((q.zero == 128).all())):
+        return "int8_grouped"
     if (bits == 4 and q.g_idx is None and q.group_size in INT4_GROUP_SIZES
             and w.shape[1] % q.group_size == 0):
         return "int4"
@@ -88,6 +149,9 @@ def quant_linear_prepare(layer: nn.Module) -> None:
         elif route == "int8":
             layer.cpu_int8_weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
             layer.cpu_int8_scale = q.scale[:, 0].to(dtype).contiguous()  # [out]
+        elif route == "int8_grouped":
+            layer.cpu_int8_weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+            layer.cpu_int8_group_scale = q.scale.to(dtype)[:, :, None].contiguous()  # [out, G, 1]
         else:
             gs = q.group_size
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
@@ -101,6 +165,7 @@ def quant_linear_prepare(layer: nn.Module) -> None:
                     route, tuple(codes.shape), exc)
         return
     layer.cpu_quant_route = route
+    layer.cpu_dequant_min_rows = dequant_min_rows()  # read once: a bad value fails at load
     layer.cpu_out_features = codes.shape[0]
     # the codes are no longer read: keep a 0-element placeholder of the same dtype
     layer.weight = nn.Parameter(codes.new_empty((0, codes.shape[1])), requires_grad=False)
@@ -114,6 +179,9 @@ def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if route == "int8_lowp":
         y = quant_lowp.linear(x2, layer)
+    elif route == "int8_grouped" or (route == "int8"
+                                     and x2.shape[0] >= layer.cpu_dequant_min_rows):
+        y = _dequantized_linear(x2, layer)
     elif route == "int8":
         y = torch._weight_int8pack_mm(x2, layer.cpu_int8_weight, layer.cpu_int8_scale)
     else:
