@@ -51,6 +51,8 @@ CASES = {  # name -> (bits, group_size, sym, g_idx, expected route)
     "int8-channel-sym": (8, 0, True, False, "int8"),
     "int4-g32-asym": (4, 32, False, False, "int4"),
     "int4-g128-sym": (4, 128, True, False, "int4"),
+    "int4-g64-asym": (4, 64, False, False, "int4"),
+    "int4-g256-asym": (4, 256, False, False, "int4"),
     "int8-g32-sym": (8, 32, True, False, "int8_grouped"),  # always dequantize + dense GEMM
     "int8-g128-sym": (8, 128, True, False, "int8_grouped"),
     "int8-g32-asym": (8, 32, False, False, None),
@@ -66,17 +68,41 @@ def test_matches_float64_dequantized(case: str, dtype: torch.dtype, rows: int) -
     """Both INT8 routes: the weight-only kernel below DEQUANT_MIN_ROWS, dequantize + GEMM
     from it."""
     bits, gs, sym, g_idx, route = CASES[case]
-    layer = Layer(96, 256, Method(bits, gs, g_idx), dtype, sym)
+    layer = Layer(128, 256, Method(bits, gs, g_idx), dtype, sym)
     w64 = dequantize_weight(layer, torch.float64)
     quant_ops.quant_linear_prepare(layer)
     assert layer.cpu_quant_route == route
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = quant_ops.quant_linear(x, layer)
-    assert y.dtype == dtype and y.shape == (rows, 96)
+    assert y.dtype == dtype and y.shape == (rows, 128)
     ref = x.double() @ w64.t()
     # float32: accumulation-order noise; bfloat16: scales/offsets and the output in bf16
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("out", [64, 96, 192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dequantized_weight_is_exact(out: int, dtype: torch.dtype, gs: int) -> None:
+    """Through the dequantize route (out % 64 == 0) the weight is torch's INT4 formula
+    (q - 8) * scale + offset in float32 with scale and offset in dtype, rounded once to dtype:
+    I @ W^T returns it bit for bit. out % 64 != 0 keeps torch's kernel (to rounding)."""
+    layer = Layer(out, 256, Method(4, gs), dtype, sym=False, seed=out + gs)
+    codes = layer.weight.data.float()  # [out, in] 0..15
+    w64 = dequantize_weight(layer, torch.float64)
+    quant_ops.quant_linear_prepare(layer)
+    sz = layer.cpu_int4_scales_zeros.float()  # [in / gs, out, 2]
+    scale = sz[..., 0].t().repeat_interleave(gs, dim=1)  # [out, in]
+    offset = sz[..., 1].t().repeat_interleave(gs, dim=1)
+    expected = ((codes - 8) * scale + offset).to(dtype)
+    eye = torch.eye(256, dtype=dtype)  # 256 rows >= DEQUANT_MIN_ROWS
+    y = quant_ops.quant_linear(eye, layer).t()
+    if out % 64 == 0:
+        assert quant_ops._cpu_kernels() is not False, "the csrc/cpu kernels did not build"
+        assert torch.equal(y, expected)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), w64, rtol=tol, atol=tol * w64.abs().max().item())
 
 
 def test_int4_packing_drops_the_codes() -> None:

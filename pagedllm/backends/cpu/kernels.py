@@ -37,8 +37,9 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     # defines the op namespace; decode and prefill attention
     "pagedllm_cpu": (("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"), "avx2"),
     "pagedllm_cpu_layers": (("layer_ops_cpu.cpp", "sampling_cpu.cpp", "bitmask_cpu.cpp"), "torch"),
-    # the INT8 lowp mode's activation quantization and rescale (backends/cpu/quant_lowp.py)
-    "pagedllm_cpu_quant": (("quant_lowp_cpu.cpp",), "torch"),
+    # the INT8 lowp mode's activation quantization and rescale (backends/cpu/quant_lowp.py);
+    # the INT4 dequantize route's unpacking (backends/cpu/quant_ops.py)
+    "pagedllm_cpu_quant": (("quant_lowp_cpu.cpp", "quant_dequant_cpu.cpp"), "torch"),
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)

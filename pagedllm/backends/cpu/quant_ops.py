@@ -9,6 +9,8 @@ layout) once after loading, where the layout fits a kernel:
     the zero point z becomes the offset (8 - z) * scale.
   - 8-bit codes, symmetric, in groups (llm-compressor's W8A16 group 128): int8 codes [out, in]
     and one scale per group, always through the dequantize route below.
+The INT4 dequantize route unpacks torch's packed layout with csrc/cpu/quant_dequant_cpu.cpp
+(out % 64 == 0, float32 / bf16 activations; otherwise torch's kernel runs at every row count).
 Both run in the activation dtype with float accumulation (exact to float32 rounding for float32
 models). Those kernels are GEMV-like: at many rows (>= $PAGEDLLM_CPU_QUANT_DEQUANT_ROWS, default
 ``DEQUANT_MIN_ROWS``) the INT8 routes dequantize the layer's weight into one per-thread scratch
@@ -54,6 +56,22 @@ DEQUANT_ROWS_ENV = "PAGEDLLM_CPU_QUANT_DEQUANT_ROWS"
 # 1024 x 2816, bf16: 0.57 vs 0.74 ms at 8 rows, 1.17 vs 0.95 ms at 16, 8.7 vs 2.2 ms at 64)
 DEQUANT_MIN_ROWS = 12
 _scratch = threading.local()  # .buffers: dtype -> flat tensor, this thread's dequantized weight
+_kernels: Any = None  # torch.ops.pagedllm_cpu, False where they do not load
+
+
+def _cpu_kernels() -> Any:
+    """The csrc/cpu kernels (INT4 unpacking), or False where they do not build / are off."""
+    global _kernels
+    if _kernels is None:
+        from pagedllm.backends.cpu.kernels import load_cpu_kernels
+
+        try:
+            _kernels = load_cpu_kernels()
+        except RuntimeError as exc:  # no compiler, or turned off: INT4 keeps torch's kernel
+            logger.info("cpu: INT4 linears keep torch's weight-only kernel at every batch (%s)",
+                        exc)
+            _kernels = False
+    return _kernels
 
 
 def quant_kernels_enabled() -> bool:
@@ -102,6 +120,11 @@ def _scratch_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
 
 def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """x [T, in] @ dequantized weight^T on the dense GEMM; the weight lives in the scratch."""
+    if layer.cpu_quant_route == "int4":  # [out, in]: (q - 8) * scale + offset per group
+        w = _scratch_weight((layer.cpu_out_features, x.shape[1]), x.dtype)
+        _cpu_kernels().int4pack_dequant(layer.cpu_int4_weight, layer.cpu_int4_scales_zeros,
+                                        layer.cpu_int4_group_size, w)
+        return F.linear(x, w)
     codes = layer.cpu_int8_weight  # [out, in] int8, the checkpoint's codes - 128
     w = _scratch_weight(tuple(codes.shape), x.dtype)
     if layer.cpu_quant_route == "int8":  # per channel: exact codes, the scale on the output
@@ -112,6 +135,13 @@ def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     torch.mul(codes.view(out, groups, inp // groups), scale,
               out=w.view(out, groups, inp // groups))
     return F.linear(x, w)
+
+
+def _int4_dequant_fits(x: torch.Tensor, layer: Any) -> bool:
+    """The INT4 unpacking kernel takes torch's packed layout for out % 64 == 0, float32 / bf16
+    activations in the scales' dtype, and needs the csrc/cpu kernels."""
+    return (layer.cpu_out_features % 64 == 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype == layer.cpu_int4_scales_zeros.dtype and _cpu_kernels() is not False)
 
 
 def _route(layer: nn.Module) -> str | None:
@@ -181,6 +211,9 @@ def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
         y = quant_lowp.linear(x2, layer)
     elif route == "int8_grouped" or (route == "int8"
                                      and x2.shape[0] >= layer.cpu_dequant_min_rows):
+        y = _dequantized_linear(x2, layer)
+    elif (route == "int4" and x2.shape[0] >= layer.cpu_dequant_min_rows
+          and _int4_dequant_fits(x2, layer)):
         y = _dequantized_linear(x2, layer)
     elif route == "int8":
         y = torch._weight_int8pack_mm(x2, layer.cpu_int8_weight, layer.cpu_int8_scale)
