@@ -30,7 +30,12 @@ LLMC_VENV="$(cached_venv quant_llmc "${LLMC_REQ[@]}")"
 [ "${1:-}" = --prepare ] && exit 0  # .ci/run builds the venvs early, in the background
 
 cd "$ROOT"
-OUT="${PAGEDLLM_QUANT_TOOL_CHECKPOINTS:-$(mktemp -d "${TMPDIR:-/tmp}/pagedllm-quant-tools.XXXXXX")}"
+if [ -n "${PAGEDLLM_QUANT_TOOL_CHECKPOINTS:-}" ]; then
+  OUT="$PAGEDLLM_QUANT_TOOL_CHECKPOINTS"  # kept (and reused: the float source) as given
+else
+  OUT="$(mktemp -d "${TMPDIR:-/tmp}/pagedllm-quant-tools.XXXXXX")"
+  trap 'rm -rf "$OUT"' EXIT
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 # gptqmodel's CPU pool must hold its 2-worker model-loader sub-pool (a 2-core machine gets 1)
 export GPTQMODEL_CPU_WORKERS="${GPTQMODEL_CPU_WORKERS:-2}"

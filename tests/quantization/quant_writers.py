@@ -1,12 +1,13 @@
-"""Tiny quantized checkpoints for the quantization tests.
+"""Tiny quantized checkpoints for the quantization tests of the main environment.
 
 compressed-tensors ones are written by the compressed-tensors library itself (the format library
 llm-compressor saves through; llm-compressor pins transformers<=5.17 and cannot be installed
-beside transformers 5.25). GPTQ and AWQ ones are written here: gptqmodel needs torch>=2.14.1 and
-autoawq a triton/CUDA stack and an older transformers, so neither installs on the CPU test
-machine; test_awq.py checks this writer's AWQ packing against autoawq's own packing code where
-autoawq is importable. Every quantized checkpoint comes with its dequantized float32 twin, the
-reference transformers runs.
+beside transformers 5.25). GPTQ and AWQ ones are written here: neither gptqmodel (>= 7.7 needs
+torch>=2.14.1, 7.6 transformers>=5.20 beside llm-compressor's <=5.17) nor autoawq installs in the
+main environment; test_awq_packing.py checks this writer's AWQ packing against autoawq's own
+packing code where autoawq is importable. The checkpoints the tools themselves write are
+tool_checkpoints.py's (side venvs, .ci/leg_quant_tools.sh). Every quantized checkpoint here comes
+with its dequantized float32 twin, the reference transformers runs.
 """
 from __future__ import annotations
 
