@@ -81,8 +81,10 @@ class LLMEngine:
                                                 config.model.max_model_len)
         self._requests: dict[str, SequenceGroup] = {}
         # guided requests wait here while their grammar compiles, then join the scheduler
+        # the matcher job overlaps the forward where the device runs apart from the host
         self.guided = GuidedManager(self.tokenizer, config.model.get_vocab_size(),
-                                    self.eos_token_ids)
+                                    self.eos_token_ids,
+                                    overlap=self.backend.capabilities.async_output)
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
         self._error: BaseException | None = None

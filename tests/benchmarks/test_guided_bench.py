@@ -22,10 +22,10 @@ def test_preset_checkpoint_and_profiled_worker(tmp_path: Path) -> None:
             "kv_cache_space_gib": 0.05}
     r = guided.worker(spec)
     assert ([x["tokens"] for x in r["plain"]] == [x["tokens"] for x in r["guided"]]
-            == [x["tokens"] for x in r["guided_serial"]] == [18])
+            == [x["tokens"] for x in r["guided_overlap"]] == [18])  # cpu: serial default
     prof = r["profile_ms_per_step"]
     assert prof["step"] > 0 and prof["advance"] > 0 and prof["apply"] > 0
     assert prof["job"] > 0, "no row was filled by xgrammar"
     summary = guided.summarize(r)
-    assert 0 < summary["guided_over_plain"] and 0 < summary["serial_fill_guided_over_plain"]
+    assert 0 < summary["guided_over_plain"] and 0 < summary["overlap_fill_guided_over_plain"]
     assert summary["profile_ms_per_step"] == prof

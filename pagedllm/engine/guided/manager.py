@@ -6,7 +6,8 @@ Matchers are keyed by (request id, completion index), not by KV state, so they s
 preemption by recompute and by swap unchanged: a preempted sequence keeps its tokens, and the
 matcher has accepted exactly those.
 
-The matcher work of a step runs on one helper thread while the model's forward runs (xgrammar
+Where the engine asks for it (``overlap``: backends whose device runs apart from the host), the
+matcher work of a step runs on one helper thread while the model's forward runs (xgrammar
 releases the GIL): ``advance`` only records the sampled tokens (and forks), and ``bitmask``
 starts a job that accepts them and then fills the step's rows, returning a ``PendingBitmask``
 at once, which the model runner waits for only when it samples. The forward needs neither.
@@ -38,9 +39,13 @@ logger = logging.getLogger(__name__)
 # 1), at most FILL_THREADS
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 ROWS_PER_FILL_THREAD = 128
-# PAGEDLLM_GUIDED_OVERLAP=0: fill the mask on the engine thread before the forward (A/B runs)
-OVERLAP = os.environ.get("PAGEDLLM_GUIDED_OVERLAP", "1").strip().lower() not in (
-    "0", "false", "off", "no")
+# PAGEDLLM_GUIDED_OVERLAP=1 / 0: run the matcher job on the helper thread during the forward /
+# on the engine thread before it, whatever the backend; unset: the engine's choice (overlap
+# where the device runs apart from the host: on a 2-core cpu box the thread's hand-off cost
+# more than the 64-row job itself, 2.2 vs 1.4 ms per step on a loaded machine)
+_OVERLAP_ENV = os.environ.get("PAGEDLLM_GUIDED_OVERLAP", "").strip().lower()
+OVERLAP: bool | None = (None if not _OVERLAP_ENV
+                        else _OVERLAP_ENV not in ("0", "false", "off", "no"))
 
 
 class PendingBitmask:
@@ -72,7 +77,8 @@ class _Compiling:
 
 
 class GuidedManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
+                 overlap: bool = True) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         self._tokenizer = tokenizer
@@ -83,7 +89,7 @@ class GuidedManager:
         self._matchers: dict[tuple[str, int], Any] = {}  # (request id, index) -> GrammarMatcher
         self._batch: dict[int, Any] = {}  # threads -> xgrammar.BatchGrammarMatcher
         self._stop: torch.Tensor | None = None  # the row of a terminated matcher, made once
-        self.overlap = OVERLAP
+        self.overlap = OVERLAP if OVERLAP is not None else overlap
         self._fill_pool: ThreadPoolExecutor | None = None
         self._fill: Future | None = None  # the step's job in flight, if any
         # (request id, matcher, token) sampled but not yet accepted: the next job accepts them
