@@ -41,6 +41,7 @@ GPTQ_CASES: dict[str, tuple[int, int, bool, bool]] = {
     "gptq-4bit-g32-sym": (4, 32, True, False),
     "gptq-4bit-g32-asym": (4, 32, False, False),
     "gptq-4bit-g32-sym-desc_act": (4, 32, True, True),
+    "gptq-4bit-g32-asym-desc_act": (4, 32, False, True),
     "gptq-8bit-g32-sym": (8, 32, True, False),
 }
 # AWQ GEMM (AutoAWQ's layout): zero point on (AutoAWQ's default) and off
