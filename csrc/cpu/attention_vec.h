@@ -127,4 +127,76 @@ inline void soft_cap_logits(float* x, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
 }
 
+// ---------------------------------------------------------------------------------------------
+// register-blocked score and output blocks (prefill, and decode with whole GQA row blocks)
+// ---------------------------------------------------------------------------------------------
+
+// kRowBlock query rows share every K (and V) vector load; scores are computed kKeyVecs vectors of
+// keys at a time, the output kOutVecs vectors of head dims at a time, so a block's accumulators
+// (kRowBlock x 2 vectors) stay in registers over the whole inner loop.
+constexpr int64_t kRowBlock = 4;
+constexpr int64_t kKeyVecs = 2;
+constexpr int64_t kOutVecs = 2;
+constexpr int64_t kBlockKeys = kKeyVecs * kLanes;  // keys per score_block step
+
+// scores[r * s_stride + j] = q_r . k_t[:, j] for the kRowBlock rows q[r * d ..] and the keys
+// j < m (m a multiple of kBlockKeys); k_t is [d, k_stride] (keys transposed).
+inline void score_block(const float* q, int64_t d, const float* k_t, int64_t k_stride, int64_t m,
+                        float* scores, int64_t s_stride) {
+  for (int64_t j0 = 0; j0 < m; j0 += kBlockKeys) {
+    VecF acc[kRowBlock][kKeyVecs];
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = VecF(0.f);
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      VecF k[kKeyVecs];
+      const float* row = k_t + i * k_stride + j0;
+      for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = VecF::loadu(row + c * kLanes);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const VecF qb(q[r * d + i]);
+        for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = at::vec::fmadd(qb, k[c], acc[r][c]);
+      }
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      float* row = scores + r * s_stride + j0;
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c].store(row + c * kLanes);
+    }
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum over t < n of p[r * p_stride + t] * v[t], for the
+// kRowBlock rows acc[r * d ..] (d values each).
+inline void accumulate_block(const float* p, int64_t p_stride, const float* const* v, int64_t n,
+                             int64_t d, const float* correction, float* acc) {
+  constexpr int64_t kDims = kOutVecs * kLanes;
+  int64_t i = 0;
+  for (; i + kDims <= d; i += kDims) {
+    VecF o[kRowBlock][kOutVecs];
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      const VecF c(correction[r]);
+      for (int64_t u = 0; u < kOutVecs; ++u) {
+        o[r][u] = VecF::loadu(acc + r * d + i + u * kLanes) * c;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      VecF vv[kOutVecs];
+      for (int64_t u = 0; u < kOutVecs; ++u) vv[u] = VecF::loadu(v[t] + i + u * kLanes);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const VecF pb(p[r * p_stride + t]);
+        for (int64_t u = 0; u < kOutVecs; ++u) o[r][u] = at::vec::fmadd(pb, vv[u], o[r][u]);
+      }
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      for (int64_t u = 0; u < kOutVecs; ++u) o[r][u].store(acc + r * d + i + u * kLanes);
+    }
+  }
+  for (; i < d; ++i) {  // head sizes that are not a multiple of kDims
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      float sum = acc[r * d + i] * correction[r];
+      for (int64_t t = 0; t < n; ++t) sum += p[r * p_stride + t] * v[t][i];
+      acc[r * d + i] = sum;
+    }
+  }
+}
+
 }  // namespace

@@ -53,6 +53,7 @@ struct Layout : AttentionGeometry {
 struct Scratch {
   std::vector<float> query;      // [rows, head_size]: scale * the query rows, as floats
   std::vector<float> logits;     // [rows, max_len]: scores, then exp(score - max)
+  std::vector<float> ones;       // [kRowBlock]: accumulate_block's correction factors (none)
   std::vector<int64_t> slots;    // [max_len]: token t's slot, as an offset into K (or V)
   std::vector<const float*> kv;  // [max_len]: K or V rows of one kv head, as floats
   std::vector<float> widened;    // [max_len, head_size]: those rows widened from 16 bits
@@ -60,6 +61,7 @@ struct Scratch {
   Scratch(const Layout& l, int64_t max_len, bool widen)
       : query(l.kv_heads_per_task * l.group * l.head_size),
         logits(l.kv_heads_per_task * l.group * max_len),
+        ones(kRowBlock, 1.f),
         slots(max_len),
         kv(max_len),
         widened(widen ? max_len * l.head_size : 0) {}
@@ -133,6 +135,24 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   float* acc = s.query.data();  // the scaled query rows are not needed any more
   for (int64_t h = 0; h < nh; ++h) {
     rows_as_float(v_base + h * l.c_head, 0, len, d, s);
+    if (group % kRowBlock == 0) {  // kRowBlock rows share every V vector load
+      for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowBlock) {
+        float inv_sum[kRowBlock];
+        for (int64_t r = 0; r < kRowBlock; ++r) {
+          float* p = logits + (r0 + r) * len;
+          if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);
+          inv_sum[r] = 1.f / softmax_numerators(p, len);
+        }
+        std::fill(acc, acc + kRowBlock * d, 0.f);
+        accumulate_block(logits + r0 * len, len, s.kv.data(), len, d, s.ones.data(), acc);
+        for (int64_t r = 0; r < kRowBlock; ++r) {
+          for (int64_t i = 0; i < d; ++i) {
+            out_rows[(r0 + r) * l.o_head + i] = static_cast<scalar_t>(acc[r * d + i] * inv_sum[r]);
+          }
+        }
+      }
+      continue;
+    }
     for (int64_t r = h * group; r < (h + 1) * group; ++r) {
       float* p = logits + r * len;
       if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);

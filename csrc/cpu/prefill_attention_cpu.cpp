@@ -47,13 +47,7 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // query tokens per task
 constexpr int64_t kKeyTile = 32;    // keys per online-softmax step
-// Register blocking: kRowBlock query rows share every K (and V) vector load; scores are computed
-// kKeyVecs vectors of keys at a time, the output kOutVecs vectors of head dims at a time, so a
-// block's accumulators (kRowBlock x 2 vectors) stay in registers over the whole inner loop.
-constexpr int64_t kRowBlock = 4;
-constexpr int64_t kKeyVecs = 2;
-constexpr int64_t kOutVecs = 2;
-static_assert(kKeyTile % (kKeyVecs * kLanes) == 0, "a key tile is whole key sub-blocks");
+static_assert(kKeyTile % kBlockKeys == 0, "a key tile is whole key sub-blocks");
 
 using PrefillLayout = AttentionGeometry;  // attention_args.h
 
@@ -126,64 +120,6 @@ void value_rows(const PrefillLayout& l, const scalar_t* base, const int32_t* blo
   }
 }
 
-// scores[r, 0..m) = q_r . k_t[:, 0..m) for the kRowBlock rows from q (m: whole sub-blocks).
-inline void score_block(const float* q, int64_t d, const float* k_t, int64_t m, float* scores) {
-  constexpr int64_t kKeys = kKeyVecs * kLanes;
-  for (int64_t j0 = 0; j0 < m; j0 += kKeys) {
-    VecF acc[kRowBlock][kKeyVecs];
-    for (int64_t r = 0; r < kRowBlock; ++r) {
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = VecF(0.f);
-    }
-    for (int64_t i = 0; i < d; ++i) {
-      VecF k[kKeyVecs];
-      const float* row = k_t + i * kKeyTile + j0;
-      for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = VecF::loadu(row + c * kLanes);
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        const VecF qb(q[r * d + i]);
-        for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = at::vec::fmadd(qb, k[c], acc[r][c]);
-      }
-    }
-    for (int64_t r = 0; r < kRowBlock; ++r) {
-      float* row = scores + r * kKeyTile + j0;
-      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c].store(row + c * kLanes);
-    }
-  }
-}
-
-// acc[r] = acc[r] * correction[r] + sum over t < n of p[r, t] * v[t], for the kRowBlock rows.
-inline void accumulate_block(const float* p, const float* const* v, int64_t n, int64_t d,
-                             const float* correction, float* acc) {
-  constexpr int64_t kDims = kOutVecs * kLanes;
-  int64_t i = 0;
-  for (; i + kDims <= d; i += kDims) {
-    VecF o[kRowBlock][kOutVecs];
-    for (int64_t r = 0; r < kRowBlock; ++r) {
-      const VecF c(correction[r]);
-      for (int64_t u = 0; u < kOutVecs; ++u) {
-        o[r][u] = VecF::loadu(acc + r * d + i + u * kLanes) * c;
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      VecF vv[kOutVecs];
-      for (int64_t u = 0; u < kOutVecs; ++u) vv[u] = VecF::loadu(v[t] + i + u * kLanes);
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        const VecF pb(p[r * kKeyTile + t]);
-        for (int64_t u = 0; u < kOutVecs; ++u) o[r][u] = at::vec::fmadd(pb, vv[u], o[r][u]);
-      }
-    }
-    for (int64_t r = 0; r < kRowBlock; ++r) {
-      for (int64_t u = 0; u < kOutVecs; ++u) o[r][u].store(acc + r * d + i + u * kLanes);
-    }
-  }
-  for (; i < d; ++i) {  // head sizes that are not a multiple of kDims
-    for (int64_t r = 0; r < kRowBlock; ++r) {
-      float sum = acc[r * d + i] * correction[r];
-      for (int64_t t = 0; t < n; ++t) sum += p[r * kKeyTile + t] * v[t][i];
-      acc[r * d + i] = sum;
-    }
-  }
-}
-
 // Turns row r's scores over the tile into exp(score - running max), keys outside [a, b) (not
 // visible to the row) into 0, and updates its running max and sum; correction[r] is the factor
 // its earlier sums must be scaled by. A row that sees no key of the tile gets p = 0, factor 1.
@@ -243,14 +179,15 @@ void prefill_task(const PrefillLayout& l, const Task& task, scalar_t* out, const
   const int64_t first_pos = context + task.first, last_pos = context + task.last - 1;
   const int64_t k_end = last_pos + 1;  // causal: no key past the tile's last query
   const int64_t k_begin = l.window > 0 ? std::max<int64_t>(0, first_pos - l.window + 1) : 0;
-  constexpr int64_t kKeys = kKeyVecs * kLanes;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, k_end - k0);
-    const int64_t m = (n + kKeys - 1) / kKeys * kKeys;  // keys scored: whole sub-blocks
+    // keys scored: whole score_block steps
+    const int64_t m = (n + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
     transposed_keys(l, k_base, blocks, k0, n, s.k_t.data());
     value_rows(l, v_base, blocks, k0, n, s.v, s.v_wide);
     for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-      score_block(s.query.data() + r0 * d, d, s.k_t.data(), m, s.scores.data() + r0 * kKeyTile);
+      score_block(s.query.data() + r0 * d, d, s.k_t.data(), kKeyTile, m,
+                  s.scores.data() + r0 * kKeyTile, kKeyTile);
     }
     for (int64_t r = 0; r < padded; ++r) {
       // the keys of this tile the row sees: [a, b) relative to k0 (none for padding rows)
@@ -261,7 +198,7 @@ void prefill_task(const PrefillLayout& l, const Task& task, scalar_t* out, const
                          s.row_sum[r], s.correction[r]);
     }
     for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-      accumulate_block(s.scores.data() + r0 * kKeyTile, s.v.data(), n, d,
+      accumulate_block(s.scores.data() + r0 * kKeyTile, kKeyTile, s.v.data(), n, d,
                        s.correction.data() + r0, s.acc.data() + r0 * d);
     }
   }
