@@ -121,30 +121,36 @@ def gemm_bench(preset: str, rows: list[int], repeats: int) -> dict[str, Any]:
 
     from pagedllm.backends.cpu import ops as cpu_ops
     from pagedllm.backends.cpu import quant_ops
-    from pagedllm.models.layers.quantization.synthetic import LAYOUTS, SyntheticLinear
+    from pagedllm.models.layers.quantization.synthetic import ACT_NONE, LAYOUTS, SyntheticLinear
 
     cfg = make_config(preset, "bfloat16")
     h, inter = cfg.hidden_size, cfg.intermediate_size
     hd = h // cfg.num_attention_heads
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, h), (h, h),
               (2 * inter, h), (h, inter)]  # [out, in]
+    INT4_G128 = (torch.uint8, 4, 128, True, False, ACT_NONE)  # VARIANTS["int4"]'s layout
+    INT8_G128 = (torch.uint8, 8, 128, True, False, ACT_NONE)  # llm-compressor's W8A16 g128
     # variant -> (layout, lowp mode, dequantize-route row threshold): "-wo" keeps torch's
     # weight-only kernel at every row count (the route before issue 32's dequantize + GEMM)
-    variants = {"int8": ("int8-channel-sym", "none", quant_ops.DEQUANT_MIN_ROWS),
+    # (None: quant_ops' default thresholds)
+    variants = {"int8": ("int8-channel-sym", "none", None),
                 "int8-wo": ("int8-channel-sym", "none", 1 << 30),
-                "int8-lowp": ("int8-channel-sym", "int8", quant_ops.DEQUANT_MIN_ROWS),
-                "int4": ("int4-g32-asym", "none", quant_ops.DEQUANT_MIN_ROWS),
-                "int4-wo": ("int4-g32-asym", "none", 1 << 30)}
+                "int8-lowp": ("int8-channel-sym", "int8", None),
+                "int8-g128": (INT8_G128, "none", None),
+                "int4": (INT4_G128, "none", None),
+                "int4-wo": (INT4_G128, "none", 1 << 30)}
     layers: dict[str, list[Any]] = {"bf16": [], **{name: [] for name in variants}}
     for i, (out, inp) in enumerate(shapes):
         for name, (layout, mode, dequant_rows) in variants.items():
             os.environ[LOWP_MODE_ENV] = mode
-            os.environ[quant_ops.DEQUANT_ROWS_ENV] = str(dequant_rows)
-            q = SyntheticLinear(LAYOUTS["gptq"][layout], out, inp, torch.bfloat16,
+            os.environ.pop(quant_ops.DEQUANT_ROWS_ENV, None)
+            if dequant_rows is not None:
+                os.environ[quant_ops.DEQUANT_ROWS_ENV] = str(dequant_rows)
+            q = SyntheticLinear(LAYOUTS["gptq"].get(layout, layout), out, inp, torch.bfloat16,
                                 torch.device("cpu"), seed=i)
             quant_ops.quant_linear_prepare(q)
             layers[name].append(q)
-        os.environ.pop(quant_ops.DEQUANT_ROWS_ENV)
+        os.environ.pop(quant_ops.DEQUANT_ROWS_ENV, None)
         dense = types.SimpleNamespace(weight=torch.nn.Parameter(
             torch.randn(out, inp, dtype=torch.bfloat16) * 0.02, requires_grad=False), bias=None)
         cpu_ops.linear_prepare(dense)

@@ -9,16 +9,17 @@ layout) once after loading, where the layout fits a kernel:
     the zero point z becomes the offset (8 - z) * scale.
   - 8-bit codes, symmetric, in groups (llm-compressor's W8A16 group 128): int8 codes [out, in]
     and one scale per group, always through the dequantize route below.
-The INT4 dequantize route unpacks torch's packed layout with csrc/cpu/quant_dequant_cpu.cpp
-(out % 64 == 0, float32 / bf16 activations; otherwise torch's kernel runs at every row count).
 Both run in the activation dtype with float accumulation (exact to float32 rounding for float32
-models). Those kernels are GEMV-like: at many rows (>= $PAGEDLLM_CPU_QUANT_DEQUANT_ROWS, default
-``DEQUANT_MIN_ROWS``) the INT8 routes dequantize the layer's weight into one per-thread scratch
-buffer in the activation dtype (sized to the largest layer seen, so resident memory is the codes
-plus one layer's dense copy: ``scratch_bytes()``) and run the dense GEMM on it (INT8 codes are
-exact in bf16; the per-channel scale multiplies the output). Other layouts (act order, FP8
-weights) keep the reference dequantize-and-multiply. The packed weights replace the codes (the
-INT4 packing is half a byte per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
+models). Those kernels are GEMV-like, slow at many rows: from $PAGEDLLM_CPU_QUANT_DEQUANT_ROWS
+rows (default ``DEQUANT_MIN_ROWS``, ``DEQUANT_MIN_ROWS_INT4`` for INT4) the layer's weight is
+dequantized into one per-thread scratch buffer in the activation dtype (sized to the largest
+layer seen, so resident memory is the quantized weights plus one layer's dense copy:
+``scratch_bytes()``) and the dense GEMM runs on it. INT8 codes are exact in bf16 (the
+per-channel scale multiplies the output); INT4 is unpacked from torch's packed layout by
+csrc/cpu/quant_dequant_cpu.cpp (out % 64 == 0, float32 / bf16 activations; otherwise torch's
+kernel runs at every row count). Other layouts (act order, FP8 weights) keep the reference
+dequantize-and-multiply. The packed weights replace the codes (the INT4 packing is half a byte
+per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
 
 Low-precision compute mode (IPEX's ``lowp_mode``), PAGEDLLM_CPU_QUANT_LOWP_MODE:
   - ``none`` (default): weight-only, as above: activations stay in the model dtype, so results
@@ -55,6 +56,9 @@ DEQUANT_ROWS_ENV = "PAGEDLLM_CPU_QUANT_DEQUANT_ROWS"
 # rows from which dequantize + dense GEMM beats torch's weight-only INT8 kernel (1 thread, K/N
 # 1024 x 2816, bf16: 0.57 vs 0.74 ms at 8 rows, 1.17 vs 0.95 ms at 16, 8.7 vs 2.2 ms at 64)
 DEQUANT_MIN_ROWS = 12
+# the same for INT4 (its weight-only kernel is faster; the unpacking costs more): best of 5,
+# 1 thread, bench99m's linears: 4.2 vs 6.8 ms at 16 rows, 8.4 vs 8.5 at 32, 16.8 vs 12.0 at 64
+DEQUANT_MIN_ROWS_INT4 = 32
 _scratch = threading.local()  # .buffers: dtype -> flat tensor, this thread's dequantized weight
 _kernels: Any = None  # torch.ops.pagedllm_cpu, False where they do not load
 
@@ -87,11 +91,12 @@ def lowp_mode() -> str:
     return mode
 
 
-def dequant_min_rows() -> int:
-    """Rows from which the INT8 routes dequantize and run the dense GEMM ($DEQUANT_ROWS_ENV)."""
+def dequant_min_rows(route: str = "int8") -> int:
+    """Rows from which ``route`` ("int8" or "int4") dequantizes and runs the dense GEMM:
+    $DEQUANT_ROWS_ENV for both where set, else DEQUANT_MIN_ROWS / DEQUANT_MIN_ROWS_INT4."""
     raw = os.environ.get(DEQUANT_ROWS_ENV, "").strip()
     if not raw:
-        return DEQUANT_MIN_ROWS
+        return DEQUANT_MIN_ROWS_INT4 if route == "int4" else DEQUANT_MIN_ROWS
     try:
         rows = int(raw)
     except ValueError:
@@ -195,7 +200,7 @@ def quant_linear_prepare(layer: nn.Module) -> None:
                     route, tuple(codes.shape), exc)
         return
     layer.cpu_quant_route = route
-    layer.cpu_dequant_min_rows = dequant_min_rows()  # read once: a bad value fails at load
+    layer.cpu_dequant_min_rows = dequant_min_rows(route)  # read once: bad values fail at load
     layer.cpu_out_features = codes.shape[0]
     # the codes are no longer read: keep a 0-element placeholder of the same dtype
     layer.weight = nn.Parameter(codes.new_empty((0, codes.shape[1])), requires_grad=False)
