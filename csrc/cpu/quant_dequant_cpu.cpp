@@ -2,9 +2,10 @@
 // weight is dequantized into a scratch buffer and the dense GEMM runs on it.
 //
 //   int4pack_dequant(packed [N, K / 2] uint8, scales_zeros [G, N, 2] float32/bf16, group_size,
-//                    out [N, K] float32/bf16 (the scales' dtype)) -> out
-//     out[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / group_size, in float32,
-//     rounded once to out's dtype (round to nearest even), the formula of
+//                    out [K, N] float32/bf16 (the scales' dtype)) -> out
+//     out = W^T (x @ W^T is F.linear(x, out.t()); this layout makes every load and store
+//     contiguous): out[k, n] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / group_size,
+//     in float32, rounded once to out's dtype (round to nearest even), the formula of
 //     torch._weight_int4pack_mm_for_cpu.
 //   q is torch._convert_weight_to_int4pack_for_cpu's layout for N % 64 == 0: packed viewed as
 //   [N / 64, K, 32] bytes, byte (b, k, d) = q[64 b + d, k] | q[64 b + 32 + d, k] << 4.
@@ -28,28 +29,6 @@ namespace {
 
 constexpr int64_t kBlockN = 64;  // rows per packed block
 constexpr int64_t kHalfN = kBlockN / 2;
-constexpr int64_t kTileK = 16;  // columns per vector (K % 16 == 0: K is a multiple of the group)
-
-// One packed block's rows [64 b, 64 b + 64), columns [k0, k1): the scalar reference of the
-// vector path (and the path where AVX-512 is not compiled in).
-template <typename T>
-void dequant_block_scalar(const uint8_t* blk, const T* sz, int64_t n_total, int64_t b,
-                          int64_t k0, int64_t k1, int64_t k, int64_t gs, T* out) {
-  for (int64_t d = 0; d < kHalfN; ++d) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t n = b * kBlockN + half * kHalfN + d;
-      T* row = out + n * k;
-      for (int64_t c = k0; c < k1; ++c) {
-        const uint8_t byte = blk[c * kHalfN + d];
-        const int q = half ? (byte >> 4) : (byte & 0xF);
-        const T* p = sz + ((c / gs) * n_total + n) * 2;
-        const float v = (static_cast<float>(q) - 8.0f) * static_cast<float>(p[0]) +
-                        static_cast<float>(p[1]);
-        row[c] = static_cast<T>(v);
-      }
-    }
-  }
-}
 
 #if defined(__AVX512F__)
 // 16 floats -> 16 bf16, round to nearest even (finite inputs: the dequantized weights).
@@ -60,58 +39,69 @@ inline void store_bf16(c10::BFloat16* dst, __m512 v) {
       _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
 }
+#endif
 
+// One packed block's output channels [64 b, 64 b + 64) for every column: out is W^T [K, N], so
+// byte (b, k, d) gives out[k, 64 b + d] (low nibble) and out[k, 64 b + 32 + d] (high nibble),
+// 32 contiguous values each. The scale and offset of the block's 64 channels are widened to
+// float once per group.
 template <typename T>
-void dequant_block_avx512(const uint8_t* blk, const T* sz, int64_t n_total, int64_t b,
-                          int64_t k, int64_t gs, T* out) {
-  // lane i reads the dword at column k0 + i: bytes d0..d0+3 of that column
-  const __m512i offsets = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(kHalfN)));
-  const __m512i nibble = _mm512_set1_epi32(0xF);
-  const __m512 eight = _mm512_set1_ps(8.0f);
-  for (int64_t d0 = 0; d0 < kHalfN; d0 += 4) {
-    for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
-      const __m512i v = _mm512_i32gather_epi32(offsets, blk + k0 * kHalfN + d0, 1);
-      const int64_t g = k0 / gs;  // kTileK divides the group size: one group per tile
-      for (int j = 0; j < 4; ++j) {
+void dequant_block(const uint8_t* blk, const T* sz, int64_t n_total, int64_t b, int64_t k,
+                   int64_t gs, T* out) {
+  alignas(64) float scale[kBlockN];
+  alignas(64) float offset[kBlockN];
+  for (int64_t g = 0; g < k / gs; ++g) {
+    for (int64_t i = 0; i < kBlockN; ++i) {
+      const T* p = sz + (g * n_total + b * kBlockN + i) * 2;
+      scale[i] = static_cast<float>(p[0]);
+      offset[i] = static_cast<float>(p[1]);
+    }
+    for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+      const uint8_t* bytes = blk + c * kHalfN;  // [32]
+      T* dst = out + c * n_total + b * kBlockN;  // [64]
+#if defined(__AVX512F__)
+      const __m512 eight = _mm512_set1_ps(8.0f);
+      for (int64_t d0 = 0; d0 < kHalfN; d0 += 16) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d0)));
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF));
+        const __m512i hi = _mm512_srli_epi32(v, 4);
         for (int half = 0; half < 2; ++half) {
-          const int64_t n = b * kBlockN + half * kHalfN + d0 + j;
-          const T* p = sz + (g * n_total + n) * 2;
-          const __m512i q = _mm512_and_si512(
-              _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j + 4 * half)), nibble);
+          const int64_t i = half * kHalfN + d0;
           const __m512 w = _mm512_add_ps(
-              _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), eight),
-                            _mm512_set1_ps(static_cast<float>(p[0]))),
-              _mm512_set1_ps(static_cast<float>(p[1])));
-          T* dst = out + n * k + k0;
+              _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(half ? hi : lo), eight),
+                            _mm512_load_ps(scale + i)),
+              _mm512_load_ps(offset + i));
           if constexpr (std::is_same_v<T, float>) {
-            _mm512_storeu_ps(dst, w);
+            _mm512_storeu_ps(dst + i, w);
           } else {
-            store_bf16(dst, w);
+            store_bf16(dst + i, w);
           }
         }
       }
+#else
+      for (int64_t d = 0; d < kHalfN; ++d) {
+        for (int half = 0; half < 2; ++half) {
+          const int64_t i = half * kHalfN + d;
+          const int q = half ? (bytes[d] >> 4) : (bytes[d] & 0xF);
+          dst[i] = static_cast<T>((static_cast<float>(q) - 8.0f) * scale[i] + offset[i]);
+        }
+      }
+#endif
     }
   }
 }
-#endif
 
 template <typename T>
 void dequant(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t gs,
              at::Tensor& out) {
-  const int64_t n = out.size(0), k = out.size(1);
+  const int64_t k = out.size(0), n = out.size(1);
   const uint8_t* pp = packed.const_data_ptr<uint8_t>();
   const T* sz = scales_zeros.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, n / kBlockN, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* blk = pp + b * k * kHalfN;
-#if defined(__AVX512F__)
-      dequant_block_avx512<T>(blk, sz, n, b, k, gs, op);
-#else
-      dequant_block_scalar<T>(blk, sz, n, b, 0, k, k, gs, op);
-#endif
+      dequant_block<T>(pp + b * k * kHalfN, sz, n, b, k, gs, op);
     }
   });
 }
@@ -119,13 +109,12 @@ void dequant(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t g
 at::Tensor int4pack_dequant(const at::Tensor& packed, const at::Tensor& scales_zeros,
                             int64_t group_size, at::Tensor out) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.device().is_cpu(),
-              "out must be a contiguous 2-D CPU tensor [N, K], got sizes ", out.sizes());
-  const int64_t n = out.size(0), k = out.size(1);
+              "out must be a contiguous 2-D CPU tensor [K, N], got sizes ", out.sizes());
+  const int64_t k = out.size(0), n = out.size(1);
   TORCH_CHECK(n % kBlockN == 0, "int4pack_dequant takes N % 64 == 0 (torch's packed layout "
               "for it), got N=", n);
-  TORCH_CHECK(group_size > 0 && group_size % kTileK == 0 && k % group_size == 0,
-              "group_size must be a positive multiple of 16 dividing K=", k, ", got ",
-              group_size);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0,
+              "group_size must be positive and divide K=", k, ", got ", group_size);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == n * k / 2,
               "packed must be contiguous uint8 [N, K / 2] = [", n, ", ", k / 2, "], got ",

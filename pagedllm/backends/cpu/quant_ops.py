@@ -125,11 +125,11 @@ def _scratch_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
 
 def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """x [T, in] @ dequantized weight^T on the dense GEMM; the weight lives in the scratch."""
-    if layer.cpu_quant_route == "int4":  # [out, in]: (q - 8) * scale + offset per group
-        w = _scratch_weight((layer.cpu_out_features, x.shape[1]), x.dtype)
+    if layer.cpu_quant_route == "int4":  # W^T [in, out]: (q - 8) * scale + offset per group
+        wt = _scratch_weight((x.shape[1], layer.cpu_out_features), x.dtype)
         _cpu_kernels().int4pack_dequant(layer.cpu_int4_weight, layer.cpu_int4_scales_zeros,
-                                        layer.cpu_int4_group_size, w)
-        return F.linear(x, w)
+                                        layer.cpu_int4_group_size, wt)
+        return F.linear(x, wt.t())
     codes = layer.cpu_int8_weight  # [out, in] int8, the checkpoint's codes - 128
     w = _scratch_weight(tuple(codes.shape), x.dtype)
     if layer.cpu_quant_route == "int8":  # per channel: exact codes, the scale on the output
