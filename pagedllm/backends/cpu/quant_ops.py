@@ -8,7 +8,7 @@ layout) once after loading, where the layout fits a kernel:
     ``torch._weight_int4pack_mm_for_cpu``, which computes (q - 8) * scale + offset per group, so
     the zero point z becomes the offset (8 - z) * scale.
   - 8-bit codes, symmetric, in groups (llm-compressor's W8A16 group 128): int8 codes [out, in]
-    and one scale per group, always through the dequantize route below.
+    and one scale per group, always through the dequantize route below, in float32.
 Both run in the activation dtype with float accumulation (exact to float32 rounding for float32
 models). Those kernels are GEMV-like, slow at many rows: from $PAGEDLLM_CPU_QUANT_DEQUANT_ROWS
 rows (default ``DEQUANT_MIN_ROWS``, ``DEQUANT_MIN_ROWS_INT4`` for INT4) the layer's weight is
@@ -131,15 +131,19 @@ def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
                                         layer.cpu_int4_group_size, wt)
         return F.linear(x, wt.t())
     codes = layer.cpu_int8_weight  # [out, in] int8, the checkpoint's codes - 128
-    w = _scratch_weight(tuple(codes.shape), x.dtype)
     if layer.cpu_quant_route == "int8":  # per channel: exact codes, the scale on the output
+        w = _scratch_weight(tuple(codes.shape), x.dtype)
         return F.linear(x, w.copy_(codes)).mul_(layer.cpu_int8_scale)
+    # per-group scales cannot move to the output: the weight is dequantized in float32 (codes x
+    # scale rounded once, as the reference) and so is the GEMM (a bf16 weight would add a
+    # rounding per weight: outside the conformance bound)
     out, inp = codes.shape
-    scale = layer.cpu_int8_group_scale  # [out, groups, 1]
+    scale = layer.cpu_int8_group_scale  # [out, groups, 1] float32
     groups = scale.shape[1]
+    w32 = _scratch_weight((out, inp), torch.float32)
     torch.mul(codes.view(out, groups, inp // groups), scale,
-              out=w.view(out, groups, inp // groups))
-    return F.linear(x, w)
+              out=w32.view(out, groups, inp // groups))
+    return F.linear(x.float(), w32).to(x.dtype)
 
 
 def _int4_dequant_fits(x: torch.Tensor, layer: Any) -> bool:
@@ -186,7 +190,7 @@ def quant_linear_prepare(layer: nn.Module) -> None:
             layer.cpu_int8_scale = q.scale[:, 0].to(dtype).contiguous()  # [out]
         elif route == "int8_grouped":
             layer.cpu_int8_weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
-            layer.cpu_int8_group_scale = q.scale.to(dtype)[:, :, None].contiguous()  # [out, G, 1]
+            layer.cpu_int8_group_scale = q.scale.float()[:, :, None].contiguous()  # [out, G, 1]
         else:
             gs = q.group_size
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
