@@ -160,3 +160,23 @@ def test_bad_dequant_rows_names_the_variable(monkeypatch: pytest.MonkeyPatch, va
     layer = Layer(32, 64, Method(8, 0), torch.float32, sym=True)
     with pytest.raises(ValueError, match=quant_ops.DEQUANT_ROWS_ENV):
         quant_ops.quant_linear_prepare(layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[4] is not None])
+def test_dequantize_route_within_conformance_bound(case: str, dtype: torch.dtype) -> None:
+    """At 64 rows (the dequantize routes) the error stays inside pagedllm/testing's quant_linear
+    bound: float32 accumulation plus one rounding to the dtype per output."""
+    from pagedllm.testing.harness import tolerance
+
+    bits, gs, sym, g_idx, _ = CASES[case]
+    layer = Layer(128, 256, Method(bits, gs, g_idx), dtype, sym, seed=5)
+    w64 = dequantize_weight(layer, torch.float64)
+    quant_ops.quant_linear_prepare(layer)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = quant_ops.quant_linear(x, layer).double()
+    ref = x.double() @ w64.t()
+    mag = x.double().abs() @ w64.abs().t()
+    tol = tolerance("float32" if dtype == torch.float32 else "bfloat16")
+    bound = tol["rtol"] * 4 * ref.abs() + 64 * 2.0 ** -23 * mag + tol["atol"]
+    assert ((got - ref).abs() <= bound).all(), f"max |error| {(got - ref).abs().max():.3g}"
