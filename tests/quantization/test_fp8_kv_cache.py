@@ -22,8 +22,9 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return float_checkpoint(str(tmp_path_factory.mktemp("kv-fp8")))
 
 
-def run(path: str, max_tokens: int = MAX_TOKENS, **kwargs) -> tuple[LLM, list]:
-    llm = LLM(path, device="cpu", dtype="float32", kv_cache_dtype="fp8", **kwargs)
+def run(path: str, max_tokens: int = MAX_TOKENS, device: str = "cpu", **kwargs
+        ) -> tuple[LLM, list]:
+    llm = LLM(path, device=device, dtype="float32", kv_cache_dtype="fp8", **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
@@ -50,6 +51,16 @@ def test_close_to_transformers(path: str) -> None:
     within 0.05, and each token is transformers' argmax or within 0.05 of it (a near tie that
     fp8 rounding may flip; greedy runs then part ways, so token lists are not compared)."""
     llm, outs = run(path)
+    worker = llm.llm_engine.executor.worker
+    assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert worker.attn_cls.name == "torch"
+    assert_close_teacher_forced(path, outs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_close_to_transformers_on_cuda(path: str) -> None:
+    """The same on the cuda backend: its torch attention reads the e4m3 cache (eager)."""
+    llm, outs = run(path, device="cuda")
     worker = llm.llm_engine.executor.worker
     assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
     assert worker.attn_cls.name == "torch"

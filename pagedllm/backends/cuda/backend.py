@@ -32,7 +32,9 @@ class CudaBackend(Backend):
                                 # the decode kernel and the Triton prefill (and the torch path)
                                 attention_features=("sliding_window", "logits_soft_cap"),
                                 # FP8 on torch._scaled_mm, the rest the reference (quant_ops.py)
-                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"))
+                                quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
+                                # fp8 (e4m3) K/V: the torch attention reads them (eager)
+                                kv_cache_dtypes=("auto", "fp8"))
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32
@@ -66,6 +68,7 @@ class CudaBackend(Backend):
 
         # decided before the head-size fallback below: the layer kernels take any head size
         self.layer_kernels = config.attention_backend != "torch"
+        _route_fp8_cache(config)
 
         head_size = config.model.get_head_size()
         if head_size in HEAD_SIZES or config.attention_backend == "torch":
@@ -146,3 +149,18 @@ class CudaBackend(Backend):
         import torch
 
         torch.cuda.synchronize()
+
+
+def _route_fp8_cache(config: EngineConfig) -> None:
+    """kv_cache_dtype="fp8": the csrc/ decode kernel and the Triton prefill read caches in the
+    model dtype, so e4m3 caches run the torch attention (any device), eager (its host-side
+    checks cannot be captured); asking for the kernels by name is refused, naming both."""
+    if getattr(getattr(config, "cache", None), "cache_dtype", "auto") != "fp8":
+        return
+    if config.attention_backend == "kernels":
+        raise ValueError("attention_backend='kernels' does not support kv_cache_dtype='fp8'; use "
+                         "attention_backend='torch' (or unset)")
+    if config.attention_backend != "torch":
+        logger.info("kv_cache_dtype='fp8': the torch attention reads the e4m3 cache (eager)")
+    config.attention_backend = "torch"
+    config.enforce_eager = True
