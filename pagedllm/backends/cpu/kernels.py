@@ -132,3 +132,26 @@ def load_cpu_kernels() -> Any:
                 _error = (f"cannot build the pagedllm cpu kernels (csrc/cpu): "
                           f"{type(exc).__name__}: {exc}")
         raise RuntimeError(_error)
+
+
+_optional: Any = None  # load_cpu_kernels() for optional fast paths; False where it raised
+_optional_logged: set[str] = set()
+
+
+def optional_cpu_kernels(purpose: str) -> Any:
+    """``torch.ops.pagedllm_cpu`` for a fast path that has a torch fallback, or False where the
+    kernels do not load (memoized: hot paths call this per op; the reason is logged once per
+    ``purpose``, which names the fallback)."""
+    global _optional
+    if _optional is None:
+        try:
+            _optional = load_cpu_kernels()
+        except RuntimeError as exc:
+            _optional = False
+            logger.info("cpu: %s (%s)", purpose, exc)
+            _optional_logged.add(purpose)
+    if _optional is False:
+        if purpose not in _optional_logged:
+            _optional_logged.add(purpose)
+            logger.info("cpu: %s (%s)", purpose, _error or "cpu kernels unavailable")
+    return _optional

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.backends.cpu.kernels import optional_cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 ACT_QUANT = "int8_per_token"  # what layer.act_quant says once prepared (the conformance bound)
@@ -30,20 +32,11 @@ INT8_MAX = 127.0
 _PACK_ROWS_HINT = 64  # oneDNN picks its packed layout for this many activation rows
 _available: bool | None = None
 _logged = False
-_kernels: Any = None  # torch.ops.pagedllm_cpu, False where they do not load
 
 
 def _cpu_kernels() -> Any:
-    global _kernels
-    if _kernels is None:
-        from pagedllm.backends.cpu.kernels import load_cpu_kernels
-
-        try:
-            _kernels = load_cpu_kernels()
-        except RuntimeError as exc:  # no compiler, or turned off: the torch passes
-            logger.info("cpu: lowp int8 runs its activation passes in torch (%s)", exc)
-            _kernels = False
-    return _kernels
+    """The csrc/cpu kernels, or False where they do not build / are off."""
+    return optional_cpu_kernels("lowp int8 runs its activation passes in torch")
 
 
 def available() -> bool:

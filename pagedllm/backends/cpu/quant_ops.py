@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backends.cpu import quant_lowp
+from pagedllm.backends.cpu.kernels import optional_cpu_kernels
 from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
@@ -60,22 +61,11 @@ DEQUANT_MIN_ROWS = 12
 # 1 thread, bench99m's linears: 4.2 vs 6.8 ms at 16 rows, 8.4 vs 8.5 at 32, 16.8 vs 12.0 at 64
 DEQUANT_MIN_ROWS_INT4 = 32
 _scratch = threading.local()  # .buffers: dtype -> flat tensor, this thread's dequantized weight
-_kernels: Any = None  # torch.ops.pagedllm_cpu, False where they do not load
 
 
 def _cpu_kernels() -> Any:
-    """The csrc/cpu kernels (INT4 unpacking), or False where they do not build / are off."""
-    global _kernels
-    if _kernels is None:
-        from pagedllm.backends.cpu.kernels import load_cpu_kernels
-
-        try:
-            _kernels = load_cpu_kernels()
-        except RuntimeError as exc:  # no compiler, or turned off: INT4 keeps torch's kernel
-            logger.info("cpu: INT4 linears keep torch's weight-only kernel at every batch (%s)",
-                        exc)
-            _kernels = False
-    return _kernels
+    """The csrc/cpu kernels, or False where they do not build / are off."""
+    return optional_cpu_kernels("INT4 linears keep torch's weight-only kernel at every batch")
 
 
 def quant_kernels_enabled() -> bool:
