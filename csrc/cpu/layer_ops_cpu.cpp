@@ -93,8 +93,18 @@ inline float round1(float v) {
 // argument checks
 // ---------------------------------------------------------------------------------------------
 
-bool is_model_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+// Calls fn(T()) with T the C++ type of dtype: float, c10::BFloat16 or c10::Half (the model
+// dtypes); any other dtype fails naming the op, the argument it is the dtype of and the allowed
+// ones. Every kernel below is a template over T instantiated through this one switch.
+template <typename Fn>
+void dispatch_float_types(const char* op, const char* arg, at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(0.f); break;
+    case at::kBFloat16: fn(c10::BFloat16()); break;
+    case at::kHalf: fn(c10::Half()); break;
+    default:
+      TORCH_CHECK(false, op, ": ", arg, " must be float32, bfloat16 or float16, got ", dtype);
+  }
 }
 
 void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
@@ -105,10 +115,24 @@ void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
               " must be contiguous in its last dim, got strides ", t.strides());
 }
 
-void check_x(const at::Tensor& x) {
-  TORCH_CHECK(is_model_dtype(x.scalar_type()), "x must be float32, bfloat16 or float16, got ",
-              x.scalar_type());
-  check_cpu(x, "x", x.scalar_type());
+// t (the op's first argument, named `name`) is a CPU tensor of a model dtype, contiguous in its
+// last dim; returns its dtype, which the op's other tensor arguments must share.
+at::ScalarType check_x(const char* op, const at::Tensor& t, const char* name = "x") {
+  dispatch_float_types(op, name, t.scalar_type(), [](auto) {});
+  check_cpu(t, name, t.scalar_type());
+  return t.scalar_type();
+}
+
+// cos and sin [num_tokens=tokens, head_size=d] of dtype (the rotary ops' tables).
+void check_cos_sin(const at::Tensor& cos, const at::Tensor& sin, int64_t tokens, int64_t d,
+                   at::ScalarType dtype) {
+  check_cpu(cos, "cos", dtype);
+  check_cpu(sin, "sin", dtype);
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == d,
+                "cos and sin must be [num_tokens=", tokens, ", head_size=", d, "], got shape ",
+                t->sizes());
+  }
 }
 
 // Rows per task of at::parallel_for: enough work per task to amortize the hand-off.
@@ -202,8 +226,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::
                                                  double eps,
                                                  const c10::optional<at::Tensor>& residual,
                                                  bool unit_offset) {
-  check_x(x);
-  const auto dtype = x.scalar_type();
+  const char* op = unit_offset ? "gemma_rms_norm" : "rms_norm";
+  const auto dtype = check_x(op, x);
   check_cpu(weight, "weight", dtype);
   TORCH_CHECK(x.dim() == 2, "x must be [num_tokens, hidden_size], got shape ", x.sizes());
   const int64_t rows = x.size(0), n = x.size(1);
@@ -219,19 +243,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::
     h_out = at::empty({rows, n}, x.options());
   }
   const auto feps = static_cast<float>(eps);
-  auto run = [&](auto zero) {
+  dispatch_float_types(op, "x", dtype, [&](auto zero) {
     using T = decltype(zero);
     if (unit_offset) {
       rms_norm_rows<T, true>(x, weight, feps, residual, out, h_out);
     } else {
       rms_norm_rows<T, false>(x, weight, feps, residual, out, h_out);
     }
-  };
-  switch (dtype) {
-    case at::kBFloat16: run(c10::BFloat16()); break;
-    case at::kHalf: run(c10::Half()); break;
-    default: run(0.f); break;
-  }
+  });
   return {out, h_out};
 }
 
@@ -305,24 +324,15 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
 // head_size] of x's dtype: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; a new
 // contiguous tensor.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_x(x);
-  const auto dtype = x.scalar_type();
-  check_cpu(cos, "cos", dtype);
-  check_cpu(sin, "sin", dtype);
+  const auto dtype = check_x("rotary", x);
   TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_size], got shape ", x.sizes());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "x must have an even head_size, got ", d);
-  for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == d,
-                "cos and sin must be [num_tokens=", tokens, ", head_size=", d, "], got shape ",
-                t->sizes());
-  }
+  check_cos_sin(cos, sin, tokens, d, dtype);
   at::Tensor out = at::empty({tokens, heads, d}, x.options());
-  switch (dtype) {
-    case at::kBFloat16: rotary_rows<c10::BFloat16>(x, cos, sin, out); break;
-    case at::kHalf: rotary_rows<c10::Half>(x, cos, sin, out); break;
-    default: rotary_rows<float>(x, cos, sin, out); break;
-  }
+  dispatch_float_types("rotary", "x", dtype, [&](auto zero) {
+    rotary_rows<decltype(zero)>(x, cos, sin, out);
+  });
   return out;
 }
 
@@ -360,21 +370,26 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-// x [num_tokens, 2 * I] (gate, then up) -> silu(gate) * up [num_tokens, I], silu(g) = g / (1 +
-// exp(-g)) computed as torch's CPU silu kernel does (its vectorized exp on whole vectors, std::exp
-// on the rest).
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_x(x);
+// The output [num_tokens, I] of a gated activation op on x [num_tokens, 2 * I] (gate, then up),
+// after checking x; run(out, T()) fills it, T the C++ type of x's dtype.
+template <typename Run>
+at::Tensor gated_and_mul(const char* op, const at::Tensor& x, Run&& run) {
+  const auto dtype = check_x(op, x);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
               "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got shape ",
               x.sizes());
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  switch (x.scalar_type()) {
-    case at::kBFloat16: silu_and_mul_rows<c10::BFloat16>(x, out); break;
-    case at::kHalf: silu_and_mul_rows<c10::Half>(x, out); break;
-    default: silu_and_mul_rows<float>(x, out); break;
-  }
+  dispatch_float_types(op, "x", dtype, [&](auto zero) { run(out, zero); });
   return out;
+}
+
+// x [num_tokens, 2 * I] (gate, then up) -> silu(gate) * up [num_tokens, I], silu(g) = g / (1 +
+// exp(-g)) computed as torch's CPU silu kernel does (its vectorized exp on whole vectors, std::exp
+// on the rest).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return gated_and_mul("silu_and_mul", x, [&](at::Tensor& out, auto zero) {
+    silu_and_mul_rows<decltype(zero)>(x, out);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,17 +438,9 @@ void gelu_tanh_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
 
 // x [num_tokens, 2 * I] (gate, then up) -> gelu_tanh(gate) * up [num_tokens, I] (Gemma's MLP).
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  check_x(x);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
-              "x must be [num_tokens, 2 * intermediate_size] (gate, then up), got shape ",
-              x.sizes());
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  switch (x.scalar_type()) {
-    case at::kBFloat16: gelu_tanh_and_mul_rows<c10::BFloat16>(x, out); break;
-    case at::kHalf: gelu_tanh_and_mul_rows<c10::Half>(x, out); break;
-    default: gelu_tanh_and_mul_rows<float>(x, out); break;
-  }
-  return out;
+  return gated_and_mul("gelu_tanh_and_mul", x, [&](at::Tensor& out, auto zero) {
+    gelu_tanh_and_mul_rows<decltype(zero)>(x, out);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -536,12 +543,7 @@ void rotary_and_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 // kv_cache at slot_mapping (as write_kv): the rotary op's bits, one pass over the projection.
 void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
-  TORCH_CHECK(is_model_dtype(qkv.scalar_type()),
-              "qkv must be float32, bfloat16 or float16, got ", qkv.scalar_type());
-  const auto dtype = qkv.scalar_type();
-  check_cpu(qkv, "qkv", dtype);
-  check_cpu(cos, "cos", dtype);
-  check_cpu(sin, "sin", dtype);
+  const auto dtype = check_x("rotary_and_cache", qkv, "qkv");
   check_cache(kv_cache);
   TORCH_CHECK(kv_cache.scalar_type() == dtype, "kv_cache must be ", dtype,
               " (the dtype of qkv), got ", kv_cache.scalar_type());
@@ -551,20 +553,12 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * kv_heads) * d,
               "qkv must be [num_tokens, (num_heads=", num_heads, " + 2 * num_kv_heads=", kv_heads,
               ") * head_size=", d, "], got shape ", qkv.sizes());
-  for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == d,
-                "cos and sin must be [num_tokens=", tokens, ", head_size=", d, "], got shape ",
-                t->sizes());
-  }
+  check_cos_sin(cos, sin, tokens, d, dtype);
   const at::Tensor slots = checked_slots(slot_mapping, tokens, kv_cache);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  switch (dtype) {
-    case at::kBFloat16:
-      rotary_and_cache_rows<c10::BFloat16>(qkv, cos, sin, kv_cache, sp, num_heads);
-      break;
-    case at::kHalf: rotary_and_cache_rows<c10::Half>(qkv, cos, sin, kv_cache, sp, num_heads); break;
-    default: rotary_and_cache_rows<float>(qkv, cos, sin, kv_cache, sp, num_heads); break;
-  }
+  dispatch_float_types("rotary_and_cache", "qkv", dtype, [&](auto zero) {
+    rotary_and_cache_rows<decltype(zero)>(qkv, cos, sin, kv_cache, sp, num_heads);
+  });
 }
 
 }  // namespace
