@@ -75,11 +75,16 @@ def main() -> None:
     p.add_argument("--sources", type=Path)
     p.add_argument("--isa", default="avx2", choices=["avx2", "avx512"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", type=int, default=16, help="query heads (Gemma-2 preset: 12)")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--soft-cap", type=float, default=0.0, help="logits soft cap (Gemma-2: 50)")
+    p.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     args = p.parse_args()
     torch.set_num_threads(1)  # thread_time counts this thread only
     ops = load_ops(args.sources, args.isa)
     dtype = getattr(torch, args.dtype)
-    heads, kv_heads, d, block = 16, 4, 64, 16
+    heads, kv_heads, d, block = args.heads, args.kv_heads, 64, 16
+    extra = (args.window, args.soft_cap)
     scale = d ** -0.5
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -91,7 +96,7 @@ def main() -> None:
     starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     s = timed(lambda: ops.paged_attention_prefill(out, query, cache, tables, starts, seq_lens,
-                                                  scale), args.repeats)
+                                                  scale, *extra), args.repeats)
     pairs = sum(n * (n + 1) / 2 for n in lens)
     print(f"prefill {len(lens)} prompts, {sum(lens)} tokens, {args.dtype}: {1e3 * s:.1f} ms "
           f"CPU, {4 * d * heads * pairs / s / 1e9:.1f} GFLOP/s")
@@ -101,7 +106,8 @@ def main() -> None:
     query = torch.randn(len(lens), heads, d).to(dtype)
     out = torch.empty_like(query)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    s = timed(lambda: ops.paged_attention_decode(out, query, cache, tables, seq_lens, scale),
+    s = timed(lambda: ops.paged_attention_decode(out, query, cache, tables, seq_lens, scale,
+                                                         *extra),
               args.repeats * 4)
     print(f"decode {len(lens)} sequences of 200-480, {args.dtype}: {1e3 * s:.2f} ms CPU, "
           f"{4 * d * heads * sum(lens) / s / 1e9:.1f} GFLOP/s")

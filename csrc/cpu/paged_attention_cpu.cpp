@@ -135,31 +135,30 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   float* acc = s.query.data();  // the scaled query rows are not needed any more
   for (int64_t h = 0; h < nh; ++h) {
     rows_as_float(v_base + h * l.c_head, 0, len, d, s);
-    if (group % kRowBlock == 0) {  // kRowBlock rows share every V vector load
-      for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowBlock) {
-        float inv_sum[kRowBlock];
-        for (int64_t r = 0; r < kRowBlock; ++r) {
-          float* p = logits + (r0 + r) * len;
-          if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);
-          inv_sum[r] = 1.f / softmax_numerators(p, len);
-        }
-        std::fill(acc, acc + kRowBlock * d, 0.f);
-        accumulate_block(logits + r0 * len, len, s.kv.data(), len, d, s.ones.data(), acc);
-        for (int64_t r = 0; r < kRowBlock; ++r) {
-          for (int64_t i = 0; i < d; ++i) {
-            out_rows[(r0 + r) * l.o_head + i] = static_cast<scalar_t>(acc[r * d + i] * inv_sum[r]);
-          }
-        }
+    // blocks of up to kRowBlock rows of this kv head share every V vector load; a lone row
+    // takes weighted_sum (all of its head dims in registers in one pass)
+    for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowBlock) {
+      const int64_t n_rows = std::min(kRowBlock, (h + 1) * group - r0);
+      float inv_sum[kRowBlock];
+      for (int64_t r = 0; r < n_rows; ++r) {
+        float* p = logits + (r0 + r) * len;
+        if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);
+        inv_sum[r] = 1.f / softmax_numerators(p, len);
       }
-      continue;
-    }
-    for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-      float* p = logits + r * len;
-      if (l.soft_cap > 0.f) soft_cap_logits(p, len, l.soft_cap);
-      const float inv_sum = 1.f / softmax_numerators(p, len);
-      weighted_sum(p, s.kv.data(), len, d, acc);
-      for (int64_t i = 0; i < d; ++i) {
-        out_rows[r * l.o_head + i] = static_cast<scalar_t>(acc[i] * inv_sum);
+      const float* p = logits + r0 * len;
+      if (n_rows == 1) {
+        weighted_sum(p, s.kv.data(), len, d, acc);
+      } else {
+        std::fill(acc, acc + n_rows * d, 0.f);
+        const float* ones = s.ones.data();
+        if (n_rows == 4) accumulate_block<4>(p, len, s.kv.data(), len, d, ones, acc);
+        if (n_rows == 3) accumulate_block<3>(p, len, s.kv.data(), len, d, ones, acc);
+        if (n_rows == 2) accumulate_block<2>(p, len, s.kv.data(), len, d, ones, acc);
+      }
+      for (int64_t r = 0; r < n_rows; ++r) {
+        for (int64_t i = 0; i < d; ++i) {
+          out_rows[(r0 + r) * l.o_head + i] = static_cast<scalar_t>(acc[r * d + i] * inv_sum[r]);
+        }
       }
     }
   }
