@@ -340,32 +340,38 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // silu_and_mul
 // ---------------------------------------------------------------------------------------------
 
-template <typename T>
-void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+// row(g, u, o, I) for every token of x [num_tokens, 2 * I] of T: its gate g [I], its up u [I]
+// and its row o [I] of out [num_tokens, I], tokens split over torch's threads.
+template <typename T, typename Row>
+void gated_rows(const at::Tensor& x, at::Tensor& out, Row&& row) {
   const int64_t tokens = x.size(0), inter = x.size(1) / 2;
   const T* xp = x.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
-  const VecF one(1.f);
   at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* g = xp + t * xs;
-      const T* u = g + inter;
-      T* o = op + t * inter;
-      int64_t i = 0;
-      for (; i + kStep <= inter; i += kStep) {
-        VecF g0, g1, u0, u1;
-        load2(g + i, g0, g1);
-        load2(u + i, u0, u1);
-        VecF s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
-        round2<T>(s0, s1);
-        store2(o + i, s0 * u0, s1 * u1);
-      }
-      for (; i < inter; ++i) {  // torch's scalar tail: std::exp
-        const float gv = static_cast<float>(g[i]);
-        const float silu = round1<T>(gv / (1.f + std::exp(-gv)));
-        o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
-      }
+      row(xp + t * xs, xp + t * xs + inter, op + t * inter, inter);
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  gated_rows<T>(x, out, [](const T* g, const T* u, T* o, int64_t inter) {
+    const VecF one(1.f);
+    int64_t i = 0;
+    for (; i + kStep <= inter; i += kStep) {
+      VecF g0, g1, u0, u1;
+      load2(g + i, g0, g1);
+      load2(u + i, u0, u1);
+      VecF s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+      round2<T>(s0, s1);
+      store2(o + i, s0 * u0, s1 * u1);
+    }
+    for (; i < inter; ++i) {  // torch's scalar tail: std::exp
+      const float gv = static_cast<float>(g[i]);
+      const float silu = round1<T>(gv / (1.f + std::exp(-gv)));
+      o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
     }
   });
 }
@@ -402,36 +408,27 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // bits; out = T(T(gelu(g)) * u), the reference's product of two T tensors.
 template <typename T>
 void gelu_tanh_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
-  using VecT = at::vec::Vectorized<T>;
-  constexpr int64_t kChunk = 2 * VecT::size();
-  const int64_t tokens = x.size(0), inter = x.size(1) / 2;
-  const T* xp = x.const_data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* g = xp + t * xs;
-      const T* u = g + inter;
-      T* o = op + t * inter;
-      int64_t i = 0;
-      for (; i + kChunk <= inter; i += kChunk) {
-        for (int64_t j = i; j < i + kChunk; j += VecT::size()) {
-          const VecT act = at::native::vectorized_gelu_approximated_with_tanh(VecT::loadu(g + j));
-          if constexpr (std::is_same_v<T, float>) {
-            (act * VecT::loadu(u + j)).store(o + j);
-          } else {
-            auto [a0, a1] = at::vec::convert_to_float<T>(act);
-            VecF u0, u1;
-            load2(u + j, u0, u1);
-            store2(o + j, a0 * u0, a1 * u1);
-          }
+  gated_rows<T>(x, out, [](const T* g, const T* u, T* o, int64_t inter) {
+    using VecT = at::vec::Vectorized<T>;
+    constexpr int64_t kChunk = 2 * VecT::size();
+    int64_t i = 0;
+    for (; i + kChunk <= inter; i += kChunk) {
+      for (int64_t j = i; j < i + kChunk; j += VecT::size()) {
+        const VecT act = at::native::vectorized_gelu_approximated_with_tanh(VecT::loadu(g + j));
+        if constexpr (std::is_same_v<T, float>) {
+          (act * VecT::loadu(u + j)).store(o + j);
+        } else {
+          auto [a0, a1] = at::vec::convert_to_float<T>(act);
+          VecF u0, u1;
+          load2(u + j, u0, u1);
+          store2(o + j, a0 * u0, a1 * u1);
         }
       }
-      for (; i < inter; ++i) {
-        const float act = round1<T>(static_cast<float>(
-            at::native::scalar_gelu_approximated_with_tanh(g[i])));
-        o[i] = static_cast<T>(act * static_cast<float>(u[i]));
-      }
+    }
+    for (; i < inter; ++i) {
+      const float act = round1<T>(static_cast<float>(
+          at::native::scalar_gelu_approximated_with_tanh(g[i])));
+      o[i] = static_cast<T>(act * static_cast<float>(u[i]));
     }
   });
 }
