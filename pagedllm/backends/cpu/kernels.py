@@ -40,6 +40,8 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     # the INT8 lowp mode's activation quantization and rescale (backends/cpu/quant_lowp.py);
     # the INT4 dequantize route's unpacking (backends/cpu/quant_ops.py)
     "pagedllm_cpu_quant": (("quant_lowp_cpu.cpp", "quant_dequant_cpu.cpp"), "torch"),
+    # OpenMP thread placement: bind_omp_threads (backends/cpu/threads.py)
+    "pagedllm_cpu_threads": (("threads_cpu.cpp",), "torch"),
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pagedllm.backends.cpu.backend import CPU_MAX_NUM_BATCHED_TOKENS
 from pagedllm.backends.cpu.heap import keep_freed_memory
+from pagedllm.backends.cpu.threads import apply_thread_binding
 from pagedllm.worker.worker import Worker
 
 # The start-up step's size cap: the cpu default token budget (a long-context model's budget of
@@ -14,6 +15,8 @@ WARMUP_MAX_TOKENS = CPU_MAX_NUM_BATCHED_TOKENS
 
 class CpuWorker(Worker):
     def load_model(self) -> None:
+        # $PAGEDLLM_CPU_OMP_THREADS_BIND, on the thread that will run the model (threads.py)
+        apply_thread_binding(self.rank, self.tp.size * self.pp.size)
         keep_freed_memory()
         super().load_model()
 
