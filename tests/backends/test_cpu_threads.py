@@ -22,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
     ("auto", BindSpec("auto")),
     (" AUTO ", BindSpec("auto")),
     ("nobind", BindSpec("nobind")),
+    ("all", BindSpec("nobind")),  # vLLM 0.7's spelling
     ("0-1", BindSpec("list", ((0, 1),))),
     ("3,0,5-6", BindSpec("list", ((3, 0, 5, 6),))),
     ("0-1|2-3", BindSpec("list", ((0, 1), (2, 3)))),
@@ -36,7 +37,7 @@ def test_unset_is_the_default() -> None:
     assert parse_bind(None) == parse_bind("") == parse_bind(DEFAULT_BIND)
 
 
-@pytest.mark.parametrize("raw", ["all", "1-0", "0,0", "0-1,1", "a-b", "0,", "-1", "0|", "0;1"])
+@pytest.mark.parametrize("raw", ["any", "1-0", "0,0", "0-1,1", "a-b", "0,", "-1", "0|", "0;1"])
 def test_bad_values_name_the_variable_and_the_forms(raw: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_bind(raw)

@@ -4,7 +4,8 @@
 Forms:
 - ``auto``: one OpenMP thread per CPU this worker may use (the process's affinity mask, split
   evenly between the ranks of a multi-rank engine), OpenMP thread i bound to the i-th of them;
-- ``nobind``: leave the threads as torch made them (the scheduler moves them freely);
+- ``nobind`` (or vLLM 0.7's ``all``): leave the threads as torch made them (the scheduler
+  moves them freely);
 - a CPU list ``0-3`` / ``0,2,4-5`` (one thread per listed CPU, in that order), or one list per
   rank separated by ``|`` (``0-1|2-3``: rank 0 gets 0-1, rank 1 gets 2-3).
 
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
 DEFAULT_BIND = "nobind"
-ALLOWED_FORMS = "'auto', 'nobind', or a CPU list such as '0-3' or '0,2,4-5' (one per rank, '|'-separated)"
+ALLOWED_FORMS = ("'auto', 'nobind' (or 'all'), or a CPU list such as '0-3' or '0,2,4-5' (one per "
+                 "rank, '|'-separated)")
 # the affinity mask a process saw before any binding in it: children spawned by a bound thread
 # inherit its one-CPU mask, so "auto" in them starts from this instead
 _BEFORE_ENV = "_PAGEDLLM_CPU_AFFINITY_BEFORE_BIND"
@@ -71,6 +73,8 @@ def parse_bind(raw: str | None) -> BindSpec:
     value = (raw if raw is not None else "").strip() or DEFAULT_BIND
     if value.lower() in ("auto", "nobind"):
         return BindSpec(value.lower())
+    if value.lower() == "all":  # vLLM 0.7's name for "no binding, every CPU"
+        return BindSpec("nobind")
     return BindSpec("list", tuple(_parse_cpu_list(part, value) for part in value.split("|")))
 
 
