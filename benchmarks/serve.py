@@ -374,8 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         model_path = model_path or root
         pairs = load_dataset(args, model_path)
         model = args.model or name
-        logger.info("%d requests (after %d warm-up), rate %s, max concurrency %s", len(pairs),
-                    min(args.warmup_requests, len(pairs)), args.request_rate,
+        logger.info("%d requests, rate %s, max concurrency %s", len(pairs), args.request_rate,
                     args.max_concurrency)
         results, duration = warm_and_run(base_url, model, pairs,
                                          [(p, 8) for p, _ in pairs[: args.warmup_requests]],
