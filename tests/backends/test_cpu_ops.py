@@ -14,7 +14,8 @@ from pagedllm.backends.cpu import ops
 def test_packed_linear_matches_reference(dtype: torch.dtype, tol: float, bias: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = nn.Module()
-    layer.weight = nn.Parameter(torch.randn(96, 64, generator=gen).to(dtype), requires_grad=False)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)  # the reference's own copy:
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)  # prepare releases this one
     layer.bias = (nn.Parameter(torch.randn(96, generator=gen).to(dtype), requires_grad=False)
                   if bias else None)
     ops.linear_prepare(layer)
@@ -22,7 +23,7 @@ def test_packed_linear_matches_reference(dtype: torch.dtype, tol: float, bias: b
         x = torch.randn(rows, 64, generator=gen).to(dtype)
         out = torch.full((rows, 96), float("nan"), dtype=dtype)
         out.copy_(ops.linear(x, layer))
-        ref = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+        ref = x.double() @ weight.double().T + (layer.bias.double() if bias else 0)
         assert out.dtype == dtype and not out.isnan().any()
         err = (out.double() - ref).norm() / ref.norm()
         assert err < tol, (dtype, rows, err)
@@ -57,14 +58,15 @@ def test_half_models_run_the_chosen_route_correctly(half_route, route, dtype) ->
     assert got == want[route] if route else got in (dtype, torch.float32)
     gen = torch.Generator().manual_seed(1)
     layer = nn.Module()
-    layer.weight = nn.Parameter(torch.randn(48, 32, generator=gen).to(dtype), requires_grad=False)
+    weight = torch.randn(48, 32, generator=gen).to(dtype)
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
     layer.bias = None
     ops.linear_prepare(layer)
     if ops.onednn_linear_supported(torch.float32):
         assert layer.compute_dtype == got
     x = torch.randn(5, 32, generator=gen).to(dtype)
     out = ops.linear(x, layer)
-    ref = x.double() @ layer.weight.double().T
+    ref = x.double() @ weight.double().T
     assert out.dtype == dtype and ((out.double() - ref).norm() / ref.norm()) < 1e-2
 
 
@@ -94,14 +96,15 @@ def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) ->
     gen = torch.Generator().manual_seed(3)
     for bias in (False, True):
         layer = nn.Module()
-        layer.weight = nn.Parameter(torch.randn(300, 520, generator=gen), requires_grad=False)
+        weight = torch.randn(300, 520, generator=gen)
+        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
         layer.bias = (nn.Parameter(torch.randn(300, generator=gen), requires_grad=False)
                       if bias else None)
         ops.linear_prepare(layer)
         assert hasattr(layer, "mkl_weight") == (chosen == "mkl")
         for rows in (1, 3, 63, 64, 65, 255, 256, 257, 700, 2100):
             x = torch.randn(rows, 520, generator=gen)
-            ref = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+            ref = x.double() @ weight.double().T + (layer.bias.double() if bias else 0)
             err = (ops.linear(x, layer).double() - ref).norm() / ref.norm()
             assert err < 1e-6, (chosen, bias, rows, err)
 

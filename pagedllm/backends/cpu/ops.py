@@ -19,17 +19,30 @@ native bf16 GEMM with fp32 accumulation does; the output is rounded back to the 
 float32 route costs twice the weight memory. Which route runs is decided once per process by
 timing both on a decode-sized GEMM (``half_compute_dtype``); PAGEDLLM_CPU_HALF_LINEAR=native or
 float32 forces one.
+
+Memory: once a linear is packed, the packed copy is the only one. ``linear`` never reads
+``layer.weight`` after ``linear_prepare`` (N-D inputs are flattened to 2-D, other dtypes converted;
+torch's packed sgemm takes the plain weight too but only checks its dtype and reads its shape while
+it is told the row count it was packed for, so it gets a zero-cost stride-0 NaN placeholder), and
+``linear_prepare`` swaps the weight for a ``ReleasedWeight``: same shape, dtype and device, no
+storage, and any op on it raises. A model thus holds its linear weights once (twice for bf16/fp16
+on the float32 route, ~1.5x on MKL's route) instead of two or three times. The weight stays where
+something else holds it (a tied LM head is the embedding's table; an expert's slice of a larger
+tensor frees nothing) and where nothing was packed. PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS=1 keeps every
+weight (debugging).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +56,7 @@ FP32_LINEAR_CHOICES = ("mkl", "onednn")
 def mkl_packed_linear_supported() -> bool:
     """Whether torch has MKL's packed sgemm and a weight packed for one batch size computes any
     row count correctly (checked against F.linear; the plain weight passed beside the packing is
-    zero, so a silent fallback to it would show)."""
+    ``linear``'s NaN placeholder, so a silent fallback to it would show)."""
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(80, 200, generator=gen)
@@ -51,7 +64,7 @@ def mkl_packed_linear_supported() -> bool:
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_PACK_BATCH_HINT)
         for rows in (1, 7, 64, 300, 1100):
             x = torch.randn(rows, 200, generator=gen)
-            y = torch.ops.mkl._mkl_linear(x, packed, torch.zeros_like(w), b, rows)
+            y = torch.ops.mkl._mkl_linear(x, packed, shape_only_weight(w), b, rows)
             if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
                 return False
         return True
@@ -151,10 +164,94 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return compute
 
 
+KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"
+KEEP_UNPACKED_CHOICES = ("0", "1")
+
+
+def shape_only_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor of ``weight``'s shape backed by one NaN (stride 0): what torch's packed
+    sgemm takes as the plain weight, whose dtype it checks and whose shape it reads; were its
+    values ever read, the output would be NaN."""
+    return torch.full((), float("nan"), dtype=torch.float32).expand(weight.shape)
+
+
+class ReleasedWeight(torch.Tensor):
+    """A packed linear's weight once the packed copy is the only one: shape, dtype and device as
+    before (parameter counts and dtype look-ups keep working), no storage; every op on it raises
+    a RuntimeError naming the layer and the switch that keeps weights."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, owner: str) -> ReleasedWeight:
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                device=like.device, requires_grad=False)
+        t.owner = owner
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        released = args[0]
+        if func is torch.ops.aten.detach.default:  # nn.Parameter(...) detaches its data
+            return ReleasedWeight(released, released.owner)
+        raise RuntimeError(
+            f"{func}: the weight of {released.owner} was released after the cpu backend packed "
+            f"it (the packed copy is the only one; pagedllm/backends/cpu/ops.py); compute through "
+            f"the linear op, or set {KEEP_UNPACKED_ENV}=1 to keep unpacked weights")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ReleasedWeight({self.owner})"
+
+
+def _keep_unpacked() -> bool:
+    value = os.environ.get(KEEP_UNPACKED_ENV, "").strip()
+    if value and value not in KEEP_UNPACKED_CHOICES:
+        raise ValueError(f"{KEEP_UNPACKED_ENV}={value!r} is not one of {KEEP_UNPACKED_CHOICES}")
+    return value == "1"
+
+
+def _weight_refcount(layer: Any) -> int:
+    weight = layer.weight
+    return sys.getrefcount(weight)
+
+
+@functools.lru_cache(maxsize=None)
+def _sole_holder_refcount() -> int:
+    """``_weight_refcount`` of a weight that only its layer holds (calibrated, not assumed: the
+    count's base differs between Python versions)."""
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.empty(1), requires_grad=False)
+    return _weight_refcount(layer)
+
+
+def _release_weight(layer: Any) -> None:
+    """Swap ``layer.weight`` for a ``ReleasedWeight`` where that frees its memory: the layer is
+    its only holder (a tied LM head shares the embedding's parameter, which the embedding reads)
+    and it owns its whole storage (an expert's slice of a larger tensor frees nothing)."""
+    weight = layer.weight
+    if _keep_unpacked() or isinstance(weight, ReleasedWeight):
+        return
+    if weight.untyped_storage().nbytes() != weight.numel() * weight.element_size():
+        return
+    del weight
+    if _weight_refcount(layer) != _sole_holder_refcount():
+        return
+    weight = layer.weight
+    released = ReleasedWeight(weight, f"{type(layer).__name__}{list(weight.shape)}")
+    layer.weight = (nn.Parameter(released, requires_grad=False)
+                    if isinstance(weight, nn.Parameter) else released)
+
+
 def linear_prepare(layer: Any) -> None:
+    """Pack ``layer.weight`` [out, in] for ``linear`` and release the plain weight where that is
+    safe (see the module doc); layers left unpacked (no oneDNN) keep it for F.linear."""
     weight = layer.weight.data
     if weight.dtype == torch.float32 and weight.is_contiguous() and fp32_linear_route() == "mkl":
         layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_HINT)
+        layer.mkl_shape_weight = shape_only_weight(weight)
+        del weight
+        _release_weight(layer)
         return
     compute = (weight.dtype if weight.dtype == torch.float32
                else half_compute_dtype(weight.dtype))
@@ -165,20 +262,24 @@ def linear_prepare(layer: Any) -> None:
                                                                   _PACK_BATCH_HINT)
     layer.packed_bias = bias.data.to(compute) if bias is not None else None
     layer.compute_dtype = compute
+    del weight
+    _release_weight(layer)
 
 
 def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype; a packed layer's plain weight is never read."""
     mkl = getattr(layer, "mkl_weight", None)
     if mkl is not None:
-        bias = getattr(layer, "bias", None)
-        if x.dim() == 2 and x.shape[0] > 0 and x.dtype == torch.float32:
-            return torch.ops.mkl._mkl_linear(x.contiguous(), mkl, layer.weight, bias, x.shape[0])
-        return F.linear(x, layer.weight, bias)
+        # [M, in] float32 rows; the packed sgemm computes them from the packing only when told M
+        # is its batch size (otherwise torch falls back to F.linear with the plain weight)
+        rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        y = torch.ops.mkl._mkl_linear(rows, mkl, layer.mkl_shape_weight,
+                                      getattr(layer, "bias", None), rows.shape[0])
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, getattr(layer, "bias", None))
-    if x.dtype == layer.compute_dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.packed_bias, "none", [], "")
+    # oneDNN's linear takes [..., in] of any leading shape
     y = torch.ops.mkldnn._linear_pointwise(x.to(layer.compute_dtype), packed, layer.packed_bias,
                                            "none", [], "")
     return y.to(x.dtype)
