@@ -1,13 +1,18 @@
 """The cpu backend's fused_moe (backends/cpu/fused_moe.py): experts packed once after loading,
-against the per-expert torch reference (moe_ops.fused_moe) in float32 and bfloat16; the fallback
-for unpacked weights; the wiring through Ops and the model loader (Mixtral's token equality with
-transformers runs on this path: tests/models/test_mixtral.py)."""
+against the per-expert torch reference (moe_ops.fused_moe) in float32 and bfloat16 on every linear
+route (oneDNN native / float32 compute, MKL); the C++ op (csrc/cpu/fused_moe_cpu.cpp) bit-equal
+to the Python loop over the same packs, serial and with the experts in parallel; the Python loop
+where the kernels do not load; the unpacked weights released after packing; the fallback for
+unpacked weights; the wiring through Ops and the model loader (Mixtral's and Qwen3-MoE's token
+equality with transformers runs on this path: tests/models/test_mixtral.py, test_qwen3_moe.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedllm.backends.cpu import fused_moe as cpu_moe
+from pagedllm.backends.cpu import ops as cpu_ops
+from pagedllm.backends.cpu.kernels import load_cpu_kernels
 from pagedllm.models.layers.moe import FusedExperts
 from pagedllm.models.layers.moe_ops import fused_moe, fused_moe_grouped
 
@@ -34,6 +39,40 @@ def _experts(e: int, h: int, i: int, dtype: torch.dtype, seed: int) -> FusedExpe
     return experts
 
 
+@pytest.fixture
+def route(monkeypatch: pytest.MonkeyPatch):
+    """route(fp32=None|"mkl"|"onednn", half=None|"native"|"float32"): the cpu linear routes, with
+    fresh cached choices (cleared again after the test)."""
+    def set_routes(fp32: str | None = None, half: str | None = None) -> None:
+        for env, value in ((cpu_ops.FP32_LINEAR_ENV, fp32), (cpu_ops.HALF_LINEAR_ENV, half)):
+            if value is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, value)
+        cpu_ops.fp32_linear_route.cache_clear()
+        cpu_ops.half_compute_dtype.cache_clear()
+
+    yield set_routes
+    monkeypatch.undo()
+    cpu_ops.fp32_linear_route.cache_clear()
+    cpu_ops.half_compute_dtype.cache_clear()
+
+
+def _inputs(tokens: int, h: int, e: int, dtype: torch.dtype, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, h, generator=gen).to(dtype),
+            torch.randn(tokens, e, generator=gen).to(dtype))
+
+
+def _op(hidden: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, topk: int,
+        renormalize: bool, parallel: bool) -> torch.Tensor:
+    w = getattr(w13, cpu_moe.OP_WEIGHTS)
+    return load_cpu_kernels().fused_moe_packed(hidden, logits, topk, renormalize, w.up, w.down,
+                                               w.up_origin, w.down_origin, w.route, w.compute,
+                                               w.inter, parallel)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens,topk,renormalize", [(1, 2, True), (9, 2, True), (40, 3, False)])
 def test_packed_experts_match_the_reference(dtype: torch.dtype, tol: float, tokens: int,
@@ -41,19 +80,130 @@ def test_packed_experts_match_the_reference(dtype: torch.dtype, tol: float, toke
     """Every routed (token, expert) pair through the packed GEMMs: the same sum as the
     reference within the GEMMs' accumulation order (float32) or a bf16 rounding or two."""
     experts = _experts(8, 64, 96, dtype, tokens)
+    ref13, ref2 = experts.w13.weight.detach().clone(), experts.w2.weight.detach().clone()
     cpu_moe.fused_moe_prepare(experts)
     w13, w2 = experts.w13.weight, experts.w2.weight
     assert len(getattr(w13, cpu_moe.PACKED)) == 8 and len(getattr(w2, cpu_moe.PACKED)) == 8
-    gen = torch.Generator().manual_seed(100 + tokens)
-    x = torch.randn(tokens, 64, generator=gen).to(dtype)
-    logits = torch.randn(tokens, 8, generator=gen).to(dtype)
+    x, logits = _inputs(tokens, 64, 8, dtype, 100 + tokens)
     got = cpu_moe.fused_moe(x, w13, w2, logits, topk, renormalize)
-    want = fused_moe(x, w13, w2, logits, topk, renormalize)
+    want = fused_moe(x, ref13, ref2, logits, topk, renormalize)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     # a wrong routing weight or a dropped pair is far outside that
-    wrong = fused_moe(x, w13, w2, logits, topk, not renormalize) if topk < 8 else want * 2
+    wrong = fused_moe(x, ref13, ref2, logits, topk, not renormalize) if topk < 8 else want * 2
     assert not torch.allclose(got.float(), wrong.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fp32,half", [(None, None), ("onednn", "native"),
+                                       ("mkl", "float32")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_equals_the_python_loop_on_every_route(route, fp32: str | None, half: str | None,
+                                                  dtype: torch.dtype) -> None:
+    """The C++ op computes run_grouped's arithmetic on the same packs: bit-equal to the Python
+    loop (serially on every route; with the experts in parallel on oneDNN's), and within a
+    rounding of the reference on the original weights."""
+    route(fp32, half)
+    experts = _experts(6, 48, 80, dtype, 3)
+    ref13, ref2 = experts.w13.weight.detach().clone(), experts.w2.weight.detach().clone()
+    cpu_moe.fused_moe_prepare(experts)
+    w13, w2 = experts.w13.weight, experts.w2.weight
+    weights = getattr(w13, cpu_moe.OP_WEIGHTS)
+    assert weights is not None
+    mkl = dtype == torch.float32 and cpu_ops.fp32_linear_route() == "mkl"  # timed when None
+    assert weights.route == (cpu_moe.ROUTE_MKL if mkl else cpu_moe.ROUTE_ONEDNN)
+    assert mkl or fp32 != "mkl" or dtype != torch.float32
+    for tokens, topk, renormalize in ((0, 2, True), (1, 1, True), (7, 2, True), (70, 3, False)):
+        x, logits = _inputs(tokens, 48, 6, dtype, tokens)
+        python = cpu_moe.fused_moe_python(x, w13, w2, logits, topk, renormalize)
+        assert torch.equal(_op(x, w13, logits, topk, renormalize, False), python)
+        if weights.route == cpu_moe.ROUTE_ONEDNN:
+            assert torch.equal(_op(x, w13, logits, topk, renormalize, True), python)
+        got = cpu_moe.fused_moe(x, w13, w2, logits, topk, renormalize)
+        assert torch.equal(got, python)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), fused_moe(x, ref13, ref2, logits, topk,
+                                                          renormalize).float(),
+                                   rtol=tol, atol=tol)
+
+
+def test_python_loop_where_the_kernels_do_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = _experts(4, 32, 48, torch.bfloat16, 5)
+    cpu_moe.fused_moe_prepare(experts)
+    w13, w2 = experts.w13.weight, experts.w2.weight
+    x, logits = _inputs(9, 32, 4, torch.bfloat16, 6)
+    with_op = cpu_moe.fused_moe(x, w13, w2, logits, 2, True)
+    monkeypatch.setattr(cpu_moe, "optional_cpu_kernels", lambda purpose: False)
+    loop = cpu_moe.fused_moe(x, w13, w2, logits, 2, True)
+    assert torch.equal(loop, with_op)
+    assert torch.equal(loop, cpu_moe.fused_moe_python(x, w13, w2, logits, 2, True))
+
+
+def test_op_rejects_bad_arguments() -> None:
+    experts = _experts(4, 32, 48, torch.float32, 0)
+    cpu_moe.fused_moe_prepare(experts)
+    w13 = experts.w13.weight
+    x, logits = _inputs(3, 32, 4, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="topk=5"):
+        _op(x, w13, logits, 5, True, False)
+    with pytest.raises(RuntimeError, match="one packed up and down weight per expert"):
+        _op(x, w13, torch.randn(3, 5), 2, True, False)
+    with pytest.raises(RuntimeError, match="hidden dtype must be float32, bfloat16 or float16"):
+        _op(x.double(), w13, logits, 2, True, False)
+
+
+def _resident(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("fp32,half,dtype", [(None, None, torch.float32),
+                                             (None, None, torch.bfloat16),
+                                             ("mkl", None, torch.float32)])
+def test_prepare_releases_the_unpacked_weights(route, fp32: str | None, half: str | None,
+                                               dtype: torch.dtype) -> None:
+    """Once the cpu op has run on the packs, only the packs hold the experts: w13 / w2 keep shape
+    and dtype with no storage behind them, and the layer still computes from the packs. Until
+    then the reference op (swapped in after the backend's registration) still reads them."""
+    route(fp32, half)
+    experts = _experts(4, 32, 48, dtype, 1)
+    ref13, ref2 = experts.w13.weight.detach().clone(), experts.w2.weight.detach().clone()
+    before = _resident(experts.w13.weight) + _resident(experts.w2.weight)
+    cpu_moe.fused_moe_prepare(experts)
+    w13, w2 = experts.w13.weight, experts.w2.weight
+    x, logits = _inputs(5, 32, 4, dtype, 2)
+    want = fused_moe(x, ref13, ref2, logits, 2, True)
+    assert torch.equal(fused_moe(x, w13, w2, logits, 2, True), want)
+    assert not getattr(w13, cpu_moe.RELEASED, False)
+    first = cpu_moe.fused_moe(x, w13, w2, logits, 2, True)
+    w13, w2 = experts.w13.weight, experts.w2.weight
+    assert getattr(w13, cpu_moe.RELEASED) and getattr(w2, cpu_moe.RELEASED)
+    assert w13.shape == ref13.shape and w2.shape == ref2.shape and w13.dtype == dtype
+    assert before == (ref13.numel() + ref2.numel()) * ref13.element_size()
+    assert _resident(w13) + _resident(w2) <= 2 * 4  # one element each
+    assert all(p.weight is None or _resident(p.weight) <= 4
+               for p in getattr(w13, cpu_moe.PACKED) + getattr(w2, cpu_moe.PACKED))
+    cpu_moe.fused_moe_prepare(experts)  # a second call keeps the packs (no NaNs packed)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for run in (cpu_moe.fused_moe, cpu_moe.fused_moe_python):
+        got = run(x, w13, w2, logits, 2, True)
+        assert torch.equal(got, first) and not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="released"):
+        cpu_moe.fused_moe(x.to(other), w13, w2, logits, 2, True)
+
+
+def test_keep_unpacked_weights_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_moe.KEEP_UNPACKED_ENV, "1")
+    experts = _experts(4, 32, 48, torch.float32, 1)
+    ref13 = experts.w13.weight.detach().clone()
+    cpu_moe.fused_moe_prepare(experts)
+    x, logits = _inputs(3, 32, 4, torch.float32, 0)
+    cpu_moe.fused_moe(x, experts.w13.weight, experts.w2.weight, logits, 2, True)
+    assert not getattr(experts.w13.weight, cpu_moe.RELEASED, False)
+    assert torch.equal(experts.w13.weight, ref13)
+    monkeypatch.setenv(cpu_moe.KEEP_UNPACKED_ENV, "yes")
+    with pytest.raises(ValueError, match=cpu_moe.KEEP_UNPACKED_ENV):
+        cpu_moe.fused_moe_prepare(_experts(2, 16, 16, torch.float32, 0))
 
 
 def test_unpacked_weights_take_the_grouped_path() -> None:
@@ -80,10 +230,15 @@ def test_cpu_backend_registers_packed_moe() -> None:
 
 
 def test_loader_prepares_the_experts(checkpoint_factory) -> None:
-    """LLM(...) on a Mixtral checkpoint packs every MoE block's experts."""
-    from pagedllm import LLM
+    """LLM(...) on a Mixtral checkpoint packs every MoE block's experts; once the model has run,
+    their unpacked weights are gone."""
+    from pagedllm import LLM, SamplingParams
 
     llm = LLM(checkpoint_factory("mixtral"), device="cpu", dtype="float32")
     blocks = [m for m in llm.llm_engine.executor.worker.model.modules()
               if isinstance(m, FusedExperts)]
     assert blocks and all(hasattr(b.w13.weight, cpu_moe.PACKED) for b in blocks)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
+    assert all(getattr(b.w13.weight, cpu_moe.RELEASED, False)
+               and b.w2.weight.untyped_storage().nbytes() <= 4 for b in blocks)

@@ -42,6 +42,8 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     "pagedllm_cpu_quant": (("quant_lowp_cpu.cpp", "quant_dequant_cpu.cpp"), "torch"),
     # OpenMP thread placement: bind_omp_threads (backends/cpu/threads.py)
     "pagedllm_cpu_threads": (("threads_cpu.cpp",), "torch"),
+    # the MoE layer on packed experts in one call (backends/cpu/fused_moe.py)
+    "pagedllm_cpu_moe": (("fused_moe_cpu.cpp",), "torch"),
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)
