@@ -67,11 +67,23 @@ struct Scratch {
         widened(widen ? max_len * l.head_size : 0) {}
 };
 
-// Points s.kv[t] at the row `base` + s.slots[t] as floats, for t in [t0, t1): float rows in
-// place, 16-bit rows widened into s.widened.
+// Points s.kv[t] at the row `base` + s.slots[t] as floats, for t in [t0, t1) of the task's n
+// tokens: float rows in place, 16-bit rows widened into s.widened.
+// The rows are scattered over the cache's blocks (and far beyond the caches at large batches), so
+// the row kPrefetchAhead tokens on is prefetched while this one is read: a decode step is bound
+// by these loads' latency otherwise.
+constexpr int64_t kPrefetchAhead = 16;
+
 template <typename scalar_t>
-void rows_as_float(const scalar_t* base, int64_t t0, int64_t t1, int64_t d, Scratch& s) {
+void rows_as_float(const scalar_t* base, int64_t t0, int64_t t1, int64_t n, int64_t d,
+                   Scratch& s) {
   for (int64_t t = t0; t < t1; ++t) {
+    if (t + kPrefetchAhead < n) {
+      const char* ahead = reinterpret_cast<const char*>(base + s.slots[t + kPrefetchAhead]);
+      for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(scalar_t)); b += 64) {
+        __builtin_prefetch(ahead + b, 0, 3);
+      }
+    }
     if constexpr (std::is_same_v<scalar_t, float>) {
       s.kv[t] = base + s.slots[t];
     } else {
@@ -116,7 +128,7 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   for (int64_t t0 = 0; t0 < len; t0 += kTile) {
     const int64_t t1 = std::min(t0 + kTile, len);
     for (int64_t h = 0; h < nh; ++h) {
-      rows_as_float(k_base + h * l.c_head, t0, t1, d, s);
+      rows_as_float(k_base + h * l.c_head, t0, t1, len, d, s);
       const float* const* k = s.kv.data() + t0;
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
         const float* q = s.query.data() + r * d;
@@ -134,7 +146,7 @@ void decode_task(const Layout& l, scalar_t* out, const scalar_t* query, const sc
   scalar_t* out_rows = out + seq * l.o_tok + h0 * group * l.o_head;
   float* acc = s.query.data();  // the scaled query rows are not needed any more
   for (int64_t h = 0; h < nh; ++h) {
-    rows_as_float(v_base + h * l.c_head, 0, len, d, s);
+    rows_as_float(v_base + h * l.c_head, 0, len, len, d, s);
     // blocks of up to kRowBlock rows of this kv head share every V vector load; a lone row
     // takes weighted_sum (all of its head dims in registers in one pass)
     for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowBlock) {
