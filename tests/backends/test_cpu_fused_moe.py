@@ -126,6 +126,29 @@ def test_op_equals_the_python_loop_on_every_route(route, fp32: str | None, half:
                                    rtol=tol, atol=tol)
 
 
+def test_parallel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$PAGEDLLM_CPU_MOE_PARALLEL picks the op's schedule (same result either way)."""
+    experts = _experts(4, 32, 48, torch.bfloat16, 7)
+    cpu_moe.fused_moe_prepare(experts)
+    w13, w2 = experts.w13.weight, experts.w2.weight
+    x, logits = _inputs(20, 32, 4, torch.bfloat16, 8)
+    outs = []
+    try:
+        for value, want in (("0", False), ("1", True), ("", True)):
+            monkeypatch.setenv(cpu_moe.PARALLEL_ENV, value)
+            cpu_moe.parallel_experts.cache_clear()
+            assert cpu_moe.parallel_experts() is want
+            outs.append(cpu_moe.fused_moe(x, w13, w2, logits, 2, True))
+        monkeypatch.setenv(cpu_moe.PARALLEL_ENV, "on")
+        cpu_moe.parallel_experts.cache_clear()
+        with pytest.raises(ValueError, match=cpu_moe.PARALLEL_ENV):
+            cpu_moe.parallel_experts()
+    finally:
+        monkeypatch.undo()
+        cpu_moe.parallel_experts.cache_clear()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_python_loop_where_the_kernels_do_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
     experts = _experts(4, 32, 48, torch.bfloat16, 5)
     cpu_moe.fused_moe_prepare(experts)

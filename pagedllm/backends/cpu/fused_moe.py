@@ -16,6 +16,7 @@ cost ~8 torch ops per expert hit, more than the GEMMs at decode sizes.
 The experts hit run concurrently on torch's threads, one single-threaded GEMM pair per thread,
 on oneDNN's route (no thread barrier per GEMM; oneDNN's results do not depend on its thread
 count); MKL's sgemm splits its reductions by thread count, so its route runs them one by one.
+$PAGEDLLM_CPU_MOE_PARALLEL=0 runs oneDNN's experts one by one too (=1: in parallel, the default).
 
 Memory: the packs are all that either path reads (MKL's packed sgemm takes the plain weight too,
 but only checks its dtype and reads its shape when told the row count it was packed for: it gets a
@@ -28,6 +29,7 @@ F.linear) keep them too.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ RELEASED = "cpu_unpacked_released"  # attribute of w13 / w2: True once their sto
 RELEASE_PENDING = "cpu_unpacked_release_pending"  # attribute of w13: release at the next call
 ROUTE_ONEDNN, ROUTE_MKL = 0, 1  # fused_moe_cpu.cpp's route argument
 KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"  # =1: keep the unpacked weights
+PARALLEL_ENV = "PAGEDLLM_CPU_MOE_PARALLEL"  # =0: the experts one by one on multi-threaded GEMMs
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,22 @@ def _release(part: torch.Tensor, packs: list[SimpleNamespace]) -> None:
     setattr(part, RELEASED, True)
 
 
-def _keep_unpacked() -> bool:
-    value = os.environ.get(KEEP_UNPACKED_ENV, "").strip()
+def _switch(env: str, default: bool) -> bool:
+    """$env as a boolean: "1" or "0", ``default`` where unset."""
+    value = os.environ.get(env, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_UNPACKED_ENV}={value!r} is not one of ('0', '1')")
-    return value == "1"
+        raise ValueError(f"{env}={value!r} is not one of ('0', '1')")
+    return default if not value else value == "1"
+
+
+def _keep_unpacked() -> bool:
+    return _switch(KEEP_UNPACKED_ENV, False)
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_experts() -> bool:
+    """Whether oneDNN's route runs the experts hit in parallel (read once per process)."""
+    return _switch(PARALLEL_ENV, True)
 
 
 def fused_moe_prepare(experts: nn.Module) -> None:
@@ -151,7 +165,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return kernels.fused_moe_packed(
             hidden, gating_output, topk, renormalize, weights.up, weights.down,
             weights.up_origin, weights.down_origin, weights.route, weights.compute,
-            weights.inter, weights.route == ROUTE_ONEDNN)
+            weights.inter, weights.route == ROUTE_ONEDNN and parallel_experts())
     return fused_moe_python(hidden, w13, w2, gating_output, topk, renormalize)
 
 
