@@ -11,7 +11,9 @@ One call per MoE layer: where the C++ kernels load (csrc/cpu/fused_moe_cpu.cpp),
 (routing, grouping, every expert's GEMMs on the same packs, the weighted sum) is
 ``torch.ops.pagedllm_cpu.fused_moe_packed``, bit-equal to ``moe_ops.run_grouped`` with
 ``cpu_ops.linear`` as the expert MLP, which stays the path where they do not load. The Python loop
-cost ~8 torch ops per expert hit, more than the GEMMs at decode sizes.
+cost ~8 torch ops per expert hit, more than the GEMMs at decode sizes: one mixtral-moe-100m layer
+(H 512, I 1024, 8 experts, top-2) on one thread of the Zen 4 box took 6.2 -> 4.6 ms CPU at 64
+tokens and 78.5 -> 71.9 ms at 2048 in bf16 (float32: 6.8 -> 6.1, 137 -> 132 ms).
 
 The experts hit run concurrently on torch's threads, one single-threaded GEMM pair per thread,
 on oneDNN's route (no thread barrier per GEMM; oneDNN's results do not depend on its thread
@@ -30,7 +32,6 @@ F.linear) keep them too.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -41,8 +42,6 @@ from torch import nn
 from pagedllm.backends.cpu import ops as cpu_ops
 from pagedllm.backends.cpu.kernels import optional_cpu_kernels
 from pagedllm.models.layers.moe_ops import check_shapes, fused_moe_grouped, run_grouped
-
-logger = logging.getLogger(__name__)
 
 PACKED = "cpu_packed_experts"  # attribute of the w13 / w2 parameters: one packed linear per expert
 OP_WEIGHTS = "cpu_fused_moe_weights"  # attribute of w13: the C++ op's weight arguments
