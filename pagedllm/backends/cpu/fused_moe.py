@@ -48,7 +48,7 @@ OP_WEIGHTS = "cpu_fused_moe_weights"  # attribute of w13: the C++ op's weight ar
 RELEASED = "cpu_unpacked_released"  # attribute of w13 / w2: True once their storage was freed
 RELEASE_PENDING = "cpu_unpacked_release_pending"  # attribute of w13: release at the next call
 ROUTE_ONEDNN, ROUTE_MKL = 0, 1  # fused_moe_cpu.cpp's route argument
-KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"  # =1: keep the unpacked weights
+KEEP_UNPACKED_ENV = cpu_ops.KEEP_UNPACKED_ENV  # =1: keep the unpacked weights
 PARALLEL_ENV = "PAGEDLLM_CPU_MOE_PARALLEL"  # =0: the experts one by one on multi-threaded GEMMs
 
 
@@ -65,18 +65,13 @@ class OpWeights:
     inter: int
 
 
-def _shape_only(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``like``'s shape backed by one NaN (stride 0): no memory, and NaN results if ever read."""
-    return torch.full((), float("nan"), dtype=dtype, device=like.device).expand(like.shape)
-
-
 def _pack(weight: torch.Tensor) -> SimpleNamespace:
     """One expert's [out, in] weight as the cpu linear op's prepared layer; on MKL's route its
     plain weight becomes shape-only (all the packed sgemm reads of it)."""
     layer = SimpleNamespace(weight=weight.contiguous(), bias=None)
     cpu_ops.linear_prepare(layer)
     if getattr(layer, "mkl_weight", None) is not None:
-        layer.weight = _shape_only(weight, torch.float32)
+        layer.weight = cpu_ops.shape_only_weight(weight)
     return layer
 
 
@@ -87,8 +82,8 @@ def op_weights(up: list[SimpleNamespace], down: list[SimpleNamespace],
     layers = up + down
     if all(getattr(p, "mkl_weight", None) is not None for p in layers):
         return OpWeights([p.mkl_weight for p in up], [p.mkl_weight for p in down],
-                         [_shape_only(p.weight, torch.float32) for p in up],
-                         [_shape_only(p.weight, torch.float32) for p in down], ROUTE_MKL,
+                         [cpu_ops.shape_only_weight(p.weight) for p in up],
+                         [cpu_ops.shape_only_weight(p.weight) for p in down], ROUTE_MKL,
                          torch.float32, inter)
     if all(getattr(p, "packed_weight", None) is not None and p.packed_bias is None
            for p in layers):
@@ -105,7 +100,7 @@ def _release(part: torch.Tensor, packs: list[SimpleNamespace]) -> None:
     for p in packs:
         if getattr(p, "mkl_weight", None) is None:
             p.weight = None
-    part.data = _shape_only(part, part.dtype)
+    part.data = cpu_ops.shape_only_weight(part, part.dtype)
     setattr(part, RELEASED, True)
 
 
@@ -115,10 +110,6 @@ def _switch(env: str, default: bool) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{env}={value!r} is not one of ('0', '1')")
     return default if not value else value == "1"
-
-
-def _keep_unpacked() -> bool:
-    return _switch(KEEP_UNPACKED_ENV, False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +129,7 @@ def fused_moe_prepare(experts: nn.Module) -> None:
         setattr(part, PACKED, [_pack(part.data[e]) for e in range(part.shape[0])])
     weights = op_weights(getattr(w13, PACKED), getattr(w2, PACKED), w2.shape[-1])
     setattr(w13, OP_WEIGHTS, weights)
-    setattr(w13, RELEASE_PENDING, weights is not None and not _keep_unpacked())
+    setattr(w13, RELEASE_PENDING, weights is not None and not cpu_ops.keep_unpacked_weights())
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

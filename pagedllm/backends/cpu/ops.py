@@ -171,11 +171,11 @@ KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"
 KEEP_UNPACKED_CHOICES = ("0", "1")
 
 
-def shape_only_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 tensor of ``weight``'s shape backed by one NaN (stride 0): what torch's packed
+def shape_only_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``dtype`` tensor of ``weight``'s shape backed by one NaN (stride 0): what torch's packed
     sgemm takes as the plain weight, whose dtype it checks and whose shape it reads; were its
     values ever read, the output would be NaN."""
-    return torch.full((), float("nan"), dtype=torch.float32).expand(weight.shape)
+    return torch.full((), float("nan"), dtype=dtype, device=weight.device).expand(weight.shape)
 
 
 class ReleasedWeight(torch.Tensor):
@@ -207,7 +207,8 @@ class ReleasedWeight(torch.Tensor):
         return f"ReleasedWeight({self.owner})"
 
 
-def _keep_unpacked() -> bool:
+def keep_unpacked_weights() -> bool:
+    """$PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS=1: packed layers keep their plain weights too."""
     value = os.environ.get(KEEP_UNPACKED_ENV, "").strip()
     if value and value not in KEEP_UNPACKED_CHOICES:
         raise ValueError(f"{KEEP_UNPACKED_ENV}={value!r} is not one of {KEEP_UNPACKED_CHOICES}")
@@ -233,7 +234,7 @@ def _release_weight(layer: Any) -> None:
     its only holder (a tied LM head shares the embedding's parameter, which the embedding reads)
     and it owns its whole storage (an expert's slice of a larger tensor frees nothing)."""
     weight = layer.weight
-    if _keep_unpacked() or isinstance(weight, ReleasedWeight):
+    if keep_unpacked_weights() or isinstance(weight, ReleasedWeight):
         return
     if weight.untyped_storage().nbytes() != weight.numel() * weight.element_size():
         return
