@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         index = 0
         for rnd in range(args.rounds):
             for load in loads:
-                for setting in settings:
+                # rotated each round: no setting always runs first after a load change
+                for setting in settings[rnd % len(settings):] + settings[:rnd % len(settings)]:
                     run = _run(load, setting, spec_path, work, index)
                     index += 1
                     if reference is None:

@@ -15,9 +15,21 @@ keeps one pool per thread that starts parallel work; AsyncLLMEngine builds and s
 one thread for that reason). The binding itself is csrc/cpu/threads_cpu.cpp (``bind_omp_threads``:
 one parallel region in which every pool thread calls sched_setaffinity on itself).
 
-Why: a decode step is ~70 OpenMP parallel regions, each ending in a barrier. Unbound, the
-scheduler may put both OpenMP threads of a 2-core machine on one core while another process has
-the other, and every barrier then waits a time slice (benchmarks/thread_placement.py measures it).
+Why it matters: a decode step is ~70 OpenMP parallel regions, each ending in a barrier. When
+other processes compete for the cores, an OpenMP thread that spins at a barrier (libgomp's default
+wait policy) burns the time slice its partner needs, and unbound threads can stack on one core.
+
+The default is ``nobind``, from benchmarks/thread_placement.py on the shared 2-core EPYC (bench99m
+bf16, 16 x 200 in / 32 out, decode TPOT median over rounds, relative to nobind in the same load).
+With the machine near idle (3 rounds): auto 1.06x, OMP_WAIT_POLICY=PASSIVE 1.20x, GOMP_SPINCOUNT=10000
+1.00x; under two busy loops: auto 0.96x, PASSIVE 0.70x, SPINCOUNT=10000 0.52x. Under heavy outside
+load (load average ~8, 2 rounds) auto took 0.45-0.69x but unbound PASSIVE 0.09-0.18x, and bound
+PASSIVE 0.20-0.29x (a bound thread cannot leave a core another process holds). So the lever under
+contention is libgomp's spinning (GOMP_SPINCOUNT / OMP_WAIT_POLICY, read once when torch is
+imported, so a launcher must set them), not binding; auto is for dedicated machines.
+Binding also narrows what the binding thread hands down: threads and processes it starts later
+inherit its one-CPU mask ("auto" in a pagedllm worker started that way widens back, see
+``allowed_cpus``).
 """
 from __future__ import annotations
 
@@ -133,8 +145,10 @@ def apply_thread_binding(rank: int = 0, world_size: int = 1, raw: str | None = N
     spec = parse_bind(raw)
     cpus = cpus_for_rank(spec, rank, world_size)
     if cpus is None:
-        logger.info("cpu: OpenMP threads not bound (%s=%s); %d intra-op threads", BIND_ENV,
-                    spec.mode, _num_threads())
+        logger.info("cpu: OpenMP threads not bound (%s=%s); %d intra-op threads; "
+                    "OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s", BIND_ENV, spec.mode, _num_threads(),
+                    os.environ.get("OMP_WAIT_POLICY", "<unset>"),
+                    os.environ.get("GOMP_SPINCOUNT", "<unset>"))
         return None
     ident = threading.get_ident()
     with _lock:
