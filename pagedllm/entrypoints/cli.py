@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from pagedllm.entrypoints.omp_env import set_spin_default
 from pagedllm.logger import configure_logging, one_line
 
 logger = logging.getLogger("pagedllm.cli")
@@ -91,6 +92,7 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
 
 def main(argv: list[str] | None = None) -> None:
     """Exit status: 0 success, 1 runtime error, 2 usage error (argparse's, or a bad value)."""
+    set_spin_default()  # before anything imports torch (omp_env.py)
     parser = make_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -64,6 +64,35 @@ def test_environment_turns_keeping_freed_memory_off() -> None:
     assert default["faults"] > 40000, default  # glibc's default: unmapped, faulted again
 
 
+# A child process: keep freed memory, then free 64 MiB of small tensors that a live one above
+# them pins below the heap's top (what the released weights of a loaded model look like), and
+# read the resident set before and after release_free_pages.
+_TRIM_SCRIPT = """
+import json, torch
+from pagedllm.backends.cpu.heap import keep_freed_memory, release_free_pages
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+keep_freed_memory()
+parts = [torch.ones(1 << 20) for _ in range(16)]  # 16 x 4 MiB, written (resident)
+top = torch.ones(1 << 20)
+del parts
+before = rss_mib()
+released = release_free_pages()
+print(json.dumps({"released": released, "before": before, "after": rss_mib()}))
+"""
+
+
+@glibc
+def test_release_free_pages_hands_freed_heap_back() -> None:
+    out = subprocess.run([sys.executable, "-c", _TRIM_SCRIPT], check=True, capture_output=True,
+                         text=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["released"] is True, got
+    assert got["before"] - got["after"] > 48, got  # of the 64 MiB freed below the live top
+
+
 def _vm_flags(address: int) -> list[str]:
     """VmFlags of the mapping that holds ``address`` (from /proc/self/smaps)."""
     inside = False

@@ -13,6 +13,9 @@ for tcmalloc, which caches freed memory likewise).
 
 Applied once per process by the cpu worker (``keep_freed_memory``); glibc only (other C
 libraries have no mallopt, and nothing changes); PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns it off.
+Loading frees memory no step will use again (the plain weights the packed linears replace,
+backends/cpu/ops.py): the worker hands those pages back once, after loading
+(``release_free_pages``: malloc_trim), before the start-up step grows the heap to a step's peak.
 """
 from __future__ import annotations
 
@@ -35,15 +38,31 @@ _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: ~2 GiB of free heap top before 
 
 
 @functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_free_pages() -> bool:
+    """Hand the heap's free pages back to the system now (glibc's malloc_trim(0)); True when
+    glibc released any."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    return trim(0) == 1
+
+
+@functools.lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to serve every allocation from its heap and never shrink it; True when
     applied (glibc and not turned off by the environment)."""
     if env_turned_off(KEEP_FREED_MEMORY_ENV):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         logger.info("no glibc mallopt here: freed memory goes back to the C library's default")
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

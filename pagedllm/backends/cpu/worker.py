@@ -4,7 +4,7 @@ for that batch built instead of faulting pages in while a request waits."""
 from __future__ import annotations
 
 from pagedllm.backends.cpu.backend import CPU_MAX_NUM_BATCHED_TOKENS
-from pagedllm.backends.cpu.heap import keep_freed_memory
+from pagedllm.backends.cpu.heap import keep_freed_memory, release_free_pages
 from pagedllm.backends.cpu.threads import apply_thread_binding
 from pagedllm.worker.worker import Worker
 
@@ -19,6 +19,9 @@ class CpuWorker(Worker):
         apply_thread_binding(self.rank, self.tp.size * self.pp.size)
         keep_freed_memory()
         super().load_model()
+        # the plain weights the packed linears replaced (ops.py) go back to the system here; the
+        # start-up step then grows the heap to a step's peak (heap.py)
+        release_free_pages()
 
     def after_cache_init(self) -> None:
         self.profile_run(WARMUP_MAX_TOKENS)
