@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "vec_math.h"
+
 namespace {
 
 using VecF = at::vec::Vectorized<float>;
@@ -121,15 +123,9 @@ inline float softmax_numerators(float* x, int64_t n) {
   return sum;
 }
 
-// cap * tanh(x / cap) of one vector: tanh(a) = sign(a) (1 - e) / (1 + e), e = exp(-2 |a|) with
-// ATen's polynomial exp_u20 (0 for huge |a|, so the cap is reached exactly); absolute error
-// ~2e-7 * cap, against 1 ulp for Sleef's tanhf at ~3x the cost.
+// cap * tanh(x / cap) of one vector (vec_math.h's tanh; absolute error ~2e-7 * cap).
 inline VecF soft_cap_vec(const VecF& x, const VecF& inv, const VecF& cap) {
-  const VecF a = x * inv;
-  const VecF e = (a.abs() * VecF(-2.f)).exp_u20();
-  const VecF one(1.f);
-  const VecF t = (one - e) / (one + e);
-  return cap * VecF::blendv(t, VecF(0.f) - t, a < VecF(0.f));
+  return cap * tanh_exp_u20(x * inv);
 }
 
 // x[i] = cap * tanh(x[i] / cap) over n values (a logits soft cap on already scaled scores).

@@ -92,15 +92,24 @@ def test_reference_gelu_tanh_and_mul_is_transformers() -> None:
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 16), (5, 352), (64, 3072), (3, 27), (7, 100)])
-def test_gelu_tanh_and_mul_half_bit_identical(ops, tokens: int, inter: int,
+def test_gelu_tanh_and_mul_half_within_an_ulp(ops, tokens: int, inter: int,
                                               dtype: torch.dtype) -> None:
-    """torch's own vector and scalar GELU-tanh on the same elements as F.gelu's loop (widths 27
-    and 100: scalar tails), the gate rounded to the dtype before the product."""
+    """The gate in float32 with a polynomial-exp tanh (widths 27 and 100: scalar tails), rounded
+    to the dtype before the product: each value the reference's or one rounding step of the
+    dtype from it (tiny gates near zero aside), and most values the reference's bits."""
     gen = torch.Generator().manual_seed(inter + 11)
     x = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
     x[0, :4] = torch.tensor([0.0, -0.0, 9.0, -9.0])
     got = ops["gelu_tanh_and_mul"](x)
-    assert got.is_contiguous() and torch.equal(_bits(got), _bits(reference.gelu_tanh_and_mul(x)))
+    want = reference.gelu_tanh_and_mul(x)
+    assert got.is_contiguous() and got.dtype == dtype
+    ulp = torch.finfo(dtype).eps  # one rounding step relative to the value, twice (gate, product)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-4)
+    same = (_bits(got) == _bits(want)).float().mean().item()
+    assert same > 0.9, same
+    # a wrong gate (SiLU's, or a missing 0.5) is far outside that
+    wrong = (F.silu(x[:, :inter].float()).to(dtype) * x[:, inter:]).float()
+    assert not torch.allclose(got.float(), wrong, rtol=2 * ulp, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 16), (5, 352), (64, 3072), (3, 27)])

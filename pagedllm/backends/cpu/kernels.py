@@ -47,7 +47,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)
-HEADERS = ("attention_args.h", "attention_vec.h")
+HEADERS = ("attention_args.h", "attention_vec.h", "vec_math.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
            "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]

@@ -8,8 +8,9 @@ ranks).
 The kernels round every value the reference materializes in bf16/fp16 to that dtype, op by op.
 rotary is bit-identical to the reference in every dtype, and so is silu_and_mul where torch runs
 its AVX2 CPU kernels (the ISA these are built for; torch's AVX-512 exp may round an ulp the other
-way); gelu_tanh_and_mul (bf16/fp16; float32 runs the reference) is bit-identical, running torch's
-own GELU-tanh functions (ATen/native/cpu/Gelu.h) on the elements torch's loop vectorizes; rms_norm and gemma_rms_norm sum their squares in another order than torch's mean, so a normalized value may
+way); gelu_tanh_and_mul (bf16/fp16; float32 runs the reference) computes torch's formula in float32
+with a polynomial-exp tanh (csrc/cpu/vec_math.h; Sleef's tanhf was ~70% of its time), so a value
+may be one rounding of the dtype away from the reference (~97% are bit-equal); rms_norm and gemma_rms_norm sum their squares in another order than torch's mean, so a normalized value may
 differ in the last bit of the dtype. greedy_logprobs is torch's argmax and log_softmax
 arithmetic (bit-identical). The kernels check their arguments (RuntimeError naming the
 argument).
