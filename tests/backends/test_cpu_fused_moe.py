@@ -39,25 +39,6 @@ def _experts(e: int, h: int, i: int, dtype: torch.dtype, seed: int) -> FusedExpe
     return experts
 
 
-@pytest.fixture
-def route(monkeypatch: pytest.MonkeyPatch):
-    """route(fp32=None|"mkl"|"onednn", half=None|"native"|"float32"): the cpu linear routes, with
-    fresh cached choices (cleared again after the test)."""
-    def set_routes(fp32: str | None = None, half: str | None = None) -> None:
-        for env, value in ((cpu_ops.FP32_LINEAR_ENV, fp32), (cpu_ops.HALF_LINEAR_ENV, half)):
-            if value is None:
-                monkeypatch.delenv(env, raising=False)
-            else:
-                monkeypatch.setenv(env, value)
-        cpu_ops.fp32_linear_route.cache_clear()
-        cpu_ops.half_compute_dtype.cache_clear()
-
-    yield set_routes
-    monkeypatch.undo()
-    cpu_ops.fp32_linear_route.cache_clear()
-    cpu_ops.half_compute_dtype.cache_clear()
-
-
 def _inputs(tokens: int, h: int, e: int, dtype: torch.dtype, seed: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)

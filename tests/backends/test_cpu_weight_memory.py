@@ -27,24 +27,6 @@ from pagedllm.models.layers.linear import LinearBase  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture
-def route(monkeypatch: pytest.MonkeyPatch):
-    """route(fp32=None|"mkl"|"onednn", half=None|"native"|"float32"): sets the cpu linear routes
-    with fresh cached choices (restored after the test)."""
-    def set_routes(fp32: str | None = None, half: str | None = None) -> None:
-        for env, value in ((ops.FP32_LINEAR_ENV, fp32), (ops.HALF_LINEAR_ENV, half)):
-            if value is None:
-                monkeypatch.delenv(env, raising=False)
-            else:
-                monkeypatch.setenv(env, value)
-        ops.fp32_linear_route.cache_clear()
-        ops.half_compute_dtype.cache_clear()
-
-    yield set_routes
-    ops.fp32_linear_route.cache_clear()
-    ops.half_compute_dtype.cache_clear()
-
-
 def _layer(out: int, inp: int, dtype: torch.dtype, bias: bool,
            seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor | None]:
     """A linear layer and the reference's own copies of its weight [out, inp] and bias."""
