@@ -406,17 +406,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // float32: torch's own GELU-tanh functions (ATen/native/cpu/Gelu.h) on the elements torch's
 // vectorized loop gives them (whole chunks of 2 * Vectorized<float>::size() in vector code, the
-// rest of a row in scalar code), so the gate is F.gelu(approximate="tanh")'s bits.
-// bf16/fp16: the same formula in float32 with vec_math.h's tanh (Sleef's tanhf took ~70% of the
-// op's time; the gate's error, ~1e-7 absolute, is below the dtype's rounding, which it may move
-// by one ulp), the gate rounded to T, then out = T(gate * u), the reference's product of two T
-// tensors.
+// rest of a row in scalar code), so the gate is F.gelu(approximate="tanh")'s bits. bf16/fp16:
+// torch's formula 0.5 x (1 + tanh(z)) in float32 with vec_math.h's tanh (Sleef's tanhf took ~70%
+// of the op's time; ~97% of bf16 values stay bit-equal, the rest one rounding away), the gate
+// rounded to T, then out = T(gate * u), the reference's product of two T tensors.
 constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluKappa = 0.044715f;
 
-// torch's formula, 0.5 x (1 + tanh(z)), with vec_math.h's tanh: where tanh(z) nears -1 both
-// round the gate to (nearly) 0 alike, so the op stays bit-equal to the reference on ~97% of bf16
-// values (x / (1 + exp(-2 z)) is more precise there, and further from the reference).
 inline VecF gelu_tanh_fast(const VecF& x) {
   const VecF z = VecF(kGeluBeta) * (x + VecF(kGeluKappa) * x * x * x);
   return VecF(0.5f) * x * (VecF(1.f) + tanh_exp_u20(z));
