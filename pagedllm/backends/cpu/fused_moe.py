@@ -32,7 +32,6 @@ F.linear) keep them too.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -82,9 +81,8 @@ def op_weights(up: list[SimpleNamespace], down: list[SimpleNamespace],
     layers = up + down
     if all(getattr(p, "mkl_weight", None) is not None for p in layers):
         return OpWeights([p.mkl_weight for p in up], [p.mkl_weight for p in down],
-                         [cpu_ops.shape_only_weight(p.weight) for p in up],
-                         [cpu_ops.shape_only_weight(p.weight) for p in down], ROUTE_MKL,
-                         torch.float32, inter)
+                         [p.mkl_shape_weight for p in up], [p.mkl_shape_weight for p in down],
+                         ROUTE_MKL, torch.float32, inter)
     if all(getattr(p, "packed_weight", None) is not None and p.packed_bias is None
            for p in layers):
         compute = {p.compute_dtype for p in layers}
@@ -104,18 +102,10 @@ def _release(part: torch.Tensor, packs: list[SimpleNamespace]) -> None:
     setattr(part, RELEASED, True)
 
 
-def _switch(env: str, default: bool) -> bool:
-    """$env as a boolean: "1" or "0", ``default`` where unset."""
-    value = os.environ.get(env, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{env}={value!r} is not one of ('0', '1')")
-    return default if not value else value == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def parallel_experts() -> bool:
     """Whether oneDNN's route runs the experts hit in parallel (read once per process)."""
-    return _switch(PARALLEL_ENV, True)
+    return cpu_ops.env_flag(PARALLEL_ENV, True)
 
 
 def fused_moe_prepare(experts: nn.Module) -> None:

@@ -168,7 +168,7 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"
-KEEP_UNPACKED_CHOICES = ("0", "1")
+KEEP_UNPACKED_CHOICES = ("0", "1")  # the values of every cpu on/off switch (env_flag)
 
 
 def shape_only_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -207,12 +207,18 @@ class ReleasedWeight(torch.Tensor):
         return f"ReleasedWeight({self.owner})"
 
 
+def env_flag(env: str, default: bool) -> bool:
+    """$env as a switch: "1" or "0", ``default`` where unset; anything else is a ValueError
+    naming the variable and the allowed values."""
+    value = os.environ.get(env, "").strip()
+    if value and value not in KEEP_UNPACKED_CHOICES:
+        raise ValueError(f"{env}={value!r} is not one of {KEEP_UNPACKED_CHOICES}")
+    return default if not value else value == "1"
+
+
 def keep_unpacked_weights() -> bool:
     """$PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS=1: packed layers keep their plain weights too."""
-    value = os.environ.get(KEEP_UNPACKED_ENV, "").strip()
-    if value and value not in KEEP_UNPACKED_CHOICES:
-        raise ValueError(f"{KEEP_UNPACKED_ENV}={value!r} is not one of {KEEP_UNPACKED_CHOICES}")
-    return value == "1"
+    return env_flag(KEEP_UNPACKED_ENV, False)
 
 
 def _weight_refcount(layer: Any) -> int:
