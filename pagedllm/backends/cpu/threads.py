@@ -22,12 +22,12 @@ wait policy) burns the time slice its partner needs, and unbound threads can sta
 The default is ``nobind``, from benchmarks/thread_placement.py on the shared 2-core EPYC (bench99m
 bf16, 16 x 200 in / 32 out, decode TPOT median over rounds, relative to nobind in the same load).
 With the machine near idle (3 rounds): auto 1.06x, OMP_WAIT_POLICY=PASSIVE 1.20x,
-GOMP_SPINCOUNT=10000 1.00x; under two busy loops: auto 0.96x, PASSIVE 0.70x, SPINCOUNT=10000
-0.52x. Under heavy outside load (load average ~8, 2 rounds) auto took 0.45-0.69x but unbound
-PASSIVE 0.09-0.18x, and bound PASSIVE 0.20-0.29x (a bound thread cannot leave a core another process holds). So the lever under
-contention is libgomp's spinning (GOMP_SPINCOUNT / OMP_WAIT_POLICY, read once when torch is
-imported, so a launcher must set them: the ``pagedllm`` command does, entrypoints/omp_env.py), not
-binding; auto is for dedicated machines.
+GOMP_SPINCOUNT=10000 1.00x; under two busy loops: auto 0.96x, PASSIVE 0.70x, SPINCOUNT=10000 0.52x.
+Under heavy outside load (load average ~8, 2 rounds) auto took 0.45-0.69x but unbound PASSIVE
+0.09-0.18x, and bound PASSIVE 0.20-0.29x (a bound thread cannot leave a core another process holds).
+So the lever under contention is libgomp's spinning (GOMP_SPINCOUNT / OMP_WAIT_POLICY, read once
+when torch is imported, so a launcher must set them: the ``pagedllm`` command does,
+entrypoints/omp_env.py), not binding; auto is for dedicated machines.
 Binding also narrows what the binding thread hands down: threads and processes it starts later
 inherit its one-CPU mask ("auto" in a pagedllm worker started that way widens back, see
 ``allowed_cpus``).
