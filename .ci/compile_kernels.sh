@@ -77,7 +77,7 @@ bindings_check() {
   mkdir -p "$OUT/stubs/c10/cuda/impl" && echo '#pragma once' > "$OUT/stubs/c10/cuda/impl/cuda_cmake_macros.h"
   local flags=() d src rc=0
   for d in $incs "${CUDA_HOME:-/usr/local/cuda}/include" "$OUT/stubs"; do flags+=(-isystem "$d"); done
-  for src in torch_bindings.cpp layer_bindings.cpp decode_step_bindings.cpp quant_bindings.cpp; do
+  for src in torch_bindings.cpp layer_bindings.cpp quant_bindings.cpp; do
     if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DTORCH_EXTENSION_NAME=_C "${flags[@]}" \
         "$CSRC/$src" > "$OUT/gxx-$src.log" 2>&1; then
       echo "g++ -fsyntax-only $src: ok"

@@ -130,7 +130,5 @@ inline CacheSlots checked_cache_slots(torch::Tensor& key_cache, torch::Tensor& v
 
 // Registers the layer ops (layer_bindings.cpp) on the module.
 void register_layer_ops(pybind11::module_& m);
-// Registers the DecodeStep class (decode_step_bindings.cpp) on the module.
-void register_decode_step(pybind11::module_& m);
 
 }  // namespace pagedllm::binding

@@ -33,7 +33,6 @@
   #define cudaGetDevice hipGetDevice
   #define cudaDeviceGetAttribute hipDeviceGetAttribute
   #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
-  #define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #elif !defined(PAGEDLLM_SIMT_EMU)
   #include <cuda_runtime_api.h>
 #endif
@@ -67,13 +66,6 @@
 #endif
 
 #define PL_DEVICE __device__ __forceinline__
-
-// A kernel parameter whose address device functions may take without a local copy (CUDA 11.7+).
-#if defined(USE_ROCM)
-  #define PL_GRID_CONSTANT
-#else
-  #define PL_GRID_CONSTANT __grid_constant__
-#endif
 
 // HIP assumes 1024 threads per block without a bound (which caps registers per lane), so kernels
 // state their block size there. On CUDA the bound is left out: with it ptxas picked a lower register
@@ -116,45 +108,6 @@ PL_DEVICE float pl_fadd_rn(float a, float b) {
   return a + b;
 #else
   return __fadd_rn(a, b);
-#endif
-}
-
-// Loads of data that another thread block of the same kernel wrote (after a grid barrier): they
-// bypass the SM's non-coherent L1, which may still hold the line from before the write.
-PL_DEVICE uint4 pl_load_coherent(const void* ptr) {
-#if defined(USE_ROCM)
-  const unsigned* p = static_cast<const unsigned*>(ptr);
-  return make_uint4(__atomic_load_n(p, __ATOMIC_RELAXED), __atomic_load_n(p + 1, __ATOMIC_RELAXED),
-                    __atomic_load_n(p + 2, __ATOMIC_RELAXED), __atomic_load_n(p + 3, __ATOMIC_RELAXED));
-#else
-  return __ldcg(static_cast<const uint4*>(ptr));
-#endif
-}
-PL_DEVICE float pl_load_coherent(const float* ptr) {
-#if defined(USE_ROCM)
-  float value;
-  __atomic_load(ptr, &value, __ATOMIC_RELAXED);
-  return value;
-#else
-  return __ldcg(ptr);
-#endif
-}
-PL_DEVICE unsigned short pl_load_coherent_u16(const void* ptr) {
-#if defined(USE_ROCM)
-  return __atomic_load_n(static_cast<const unsigned short*>(ptr), __ATOMIC_RELAXED);
-#else
-  return __ldcg(static_cast<const unsigned short*>(ptr));
-#endif
-}
-
-// Spins until *counter >= target (a grid barrier's wait; the caller fences afterwards).
-PL_DEVICE void pl_spin_until(const unsigned* counter, unsigned target) {
-#if defined(USE_ROCM)
-  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target) {
-  }
-#else
-  while (*static_cast<const volatile unsigned*>(counter) < target) {
-  }
 #endif
 }
 

@@ -1,14 +1,12 @@
-// The arithmetic of one weight stage of a one-token GEMV, shared by gemv_kernels.cu and the
-// one-launch decode step (decode_step_linear.cuh), so that both round exactly alike.
+// The arithmetic of one weight stage of a one-token GEMV (gemv_kernels.cu).
 #pragma once
 
 #include "dtype_convert.cuh"
 
 namespace pagedllm {
 
-// A weight stage's geometry, shared by the GEMV kernel and the one-launch decode step: a stage
-// holds up to kGemvStageBytes of whole rows, at most kGemvMaxStageRows of them, read by
-// kGemvThreads threads (8 16-bit elements per thread per vector).
+// A weight stage's geometry: a stage holds up to kGemvStageBytes of whole rows, at most
+// kGemvMaxStageRows of them, read by kGemvThreads threads (8 16-bit elements per thread per vector).
 constexpr int kGemvThreads = 256;
 constexpr int kGemvStageBytes = 32 * 1024;
 constexpr int kGemvMaxStageRows = 4;
@@ -45,7 +43,7 @@ static_assert(gemv_max_stage_rows<2, kGemvThreads>() == 4 &&
 // nr - 1 and are discarded) so the compiler issues them ahead of the math, each (row, vector) pair
 // sums its 8 products in its own chain, and the rows' warp reductions run interleaved. A row's sum
 // is sum_j (sum_e w[j][e] * x[j][e]), then the butterfly over the warp. One pass of kRows rows
-// covers the stage unless x has more vectors than k needs (the decode step's o_proj).
+// covers the stage unless x has more vectors than k needs.
 template <typename T, int KV, int ROWS, int THREADS>
 PL_DEVICE void gemv_stage_partials(const T* src, int k, int nr, const float (&x)[KV][8],
                                    float (&partial)[ROWS][THREADS / WARP_SIZE]) {

@@ -22,9 +22,9 @@ CSRC_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "pagedllm._C"
 # The bindings (torch glue) plus the torch-free kernel files.
 SOURCE_FILES = (
-    "torch_bindings.cpp", "layer_bindings.cpp", "decode_step_bindings.cpp", "paged_attention.cu",
-    "cache_kernels.cu", "layer_kernels.cu", "gemv_kernels.cu", "decode_step_kernel.cu",
-    "launch_config.cu", "quant_bindings.cpp", "quantization/int4_linear.cu",
+    "torch_bindings.cpp", "layer_bindings.cpp", "paged_attention.cu", "cache_kernels.cu",
+    "layer_kernels.cu", "gemv_kernels.cu", "launch_config.cu", "quant_bindings.cpp",
+    "quantization/int4_linear.cu",
 )
 DEFAULT_CUDA_ARCH = "9.0"
 TARGETS = ("cuda", "rocm", "cpu")

@@ -359,6 +359,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "__CUDA_ARCH__ of the kernels as they run on the device (e.g. 900; 0 before "
         "configure_programmatic_launch and on HIP).");
   pagedllm::binding::register_layer_ops(m);
-  pagedllm::binding::register_decode_step(m);
   pagedllm::binding::register_quant_ops(m);
 }

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from pagedllm.backends.attention import AttentionMetadata
-from pagedllm.backends.cuda.decode_step import DecodeStep
 from pagedllm.core.batch import ScheduledBatch
 from pagedllm.worker.model_runner import ModelInput
 
@@ -37,15 +36,13 @@ class DecodeGraphs:
 
     Static buffers hold the largest batch; a batch of B sequences runs the graph captured for the
     smallest size >= B, with the extra rows padded (slot -1, so nothing is written; context 1),
-    and for the smallest context bucket >= its longest sequence. With ``step`` (a
-    decode_step.DecodeStep), the batch-1 graphs run the whole step in its one kernel instead.
+    and for the smallest context bucket >= its longest sequence.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, sizes: list[int], device: torch.device,
-                 context_lens: list[int] | None = None, step: DecodeStep | None = None) -> None:
+                 context_lens: list[int] | None = None) -> None:
         self.model = model
-        self.step = step
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -83,10 +80,6 @@ class DecodeGraphs:
 
     def _forward_into_logits(self, b: int, max_len: int) -> None:
         assert self.logits is not None
-        if b == 1 and self.step is not None:
-            self.step.run(self.input_ids[:1], self.positions[:1], self.slots[:1], self.seq_lens[:1],
-                          self.block_tables[0], self.logits[0])
-            return
         self._forward(b, max_len, self.logits[:b])
 
     @torch.inference_mode()

@@ -5,7 +5,6 @@ import logging
 
 import torch
 
-from pagedllm.backends.cuda import decode_step, ops
 from pagedllm.backends.cuda.attention import CudaPagedAttention
 from pagedllm.backends.cuda.graphs import DecodeGraphs, context_buckets, graph_batch_sizes
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
@@ -55,14 +54,8 @@ class CudaWorker(Worker):
         max_len = self.config.model.max_model_len
         # the csrc/ decode kernel's launch follows the context bucket; torch attention's does not
         shorter = DECODE_BUCKETS if self.attn_cls is CudaPagedAttention else ()
-        step = None
-        if self.attn_cls is CudaPagedAttention and 1 in sizes:
-            step, reason = decode_step.build(self.model, ops.load_kernels(), self.kv_caches, max_len)
-            logger.info("batch-1 decode graphs: %s", "one kernel per step" if step else
-                        f"layer by layer ({reason})")
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
-                                   max_len, sizes, self.device, context_buckets(max_len, shorter),
-                                   step)
+                                   max_len, sizes, self.device, context_buckets(max_len, shorter))
         self.graphs.capture()
         self.counters["graph_captures"] += len(self.graphs.graphs)
 
