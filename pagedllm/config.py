@@ -179,6 +179,8 @@ class EngineConfig:
     disable_async_output_proc: bool = False
     # the grammar engine for guided decoding (engine/guided); vLLM's name
     guided_decoding_backend: str = "xgrammar"
+    # speculative decoding (pagedllm.spec_decode.SpeculativeConfig), None: off
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding_backend not in ("xgrammar", "auto"):

@@ -11,6 +11,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCon
                              SchedulerConfig)
 from pagedllm.config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES
 from pagedllm.engine.arg_cli import add_dataclass_args, dataclass_kwargs
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 DEMO_MODEL = "pagedllm-demo"
 
@@ -98,6 +99,11 @@ class EngineArgs:
         "help": "KV cache dtype: auto (the model dtype) or fp8 (= fp8_e4m3; e4m3 values with "
                 "per-tensor k/v scales from the checkpoint, else 1.0).",
         "choices": ("auto", "fp8", "fp8_e4m3")})
+    speculative_config: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "Speculative decoding as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4}', '{\"model\": DRAFT_DIR, "
+                "\"num_speculative_tokens\": 4}' or '{\"method\": \"eagle\", \"model\": "
+                "HEAD_DIR, \"num_speculative_tokens\": 4}'; default: off."})
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -140,7 +146,9 @@ class EngineArgs:
                             device=self.device, enforce_eager=self.enforce_eager,
                             attention_backend=self.attention_backend,
                             disable_async_output_proc=self.disable_async_output_proc,
-                            guided_decoding_backend=self.guided_decoding_backend)
+                            guided_decoding_backend=self.guided_decoding_backend,
+                            speculative_config=SpeculativeConfig.from_value(
+                                self.speculative_config))
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
