@@ -50,18 +50,6 @@ class GuidedDecodingParams:
     backend: str | None = None
     whitespace_pattern: str | None = None
 
-    @staticmethod
-    def from_optional(json: str | dict | None = None, regex: str | None = None,
-                      choice: list[str] | None = None, grammar: str | None = None,
-                      json_object: bool | None = None, backend: str | None = None,
-                      whitespace_pattern: str | None = None) -> GuidedDecodingParams | None:
-        """None when no constraint is given, else the params (validated)."""
-        if all(v is None for v in (json, regex, choice, grammar, json_object)):
-            return None
-        return GuidedDecodingParams(json=json, regex=regex, choice=choice, grammar=grammar,
-                                    json_object=json_object, backend=backend,
-                                    whitespace_pattern=whitespace_pattern)
-
     def __post_init__(self) -> None:
         def fail(name: str, value: object, allowed: str) -> None:
             raise ValueError(f"GuidedDecodingParams.{name}={value!r} is invalid: {allowed}")

@@ -96,13 +96,3 @@ class BlockAllocator:
             return  # another block already holds this content; this one stays private
         self._block_of[key] = block
         self._hash_of[block] = key
-
-    def reset_cache(self) -> int:
-        """Forget all idle cached content; returns how many blocks were released."""
-        n = len(self._evictor)
-        for block in self._evictor:
-            del self._block_of[self._hash_of[block]]
-            self._hash_of[block] = None
-            self._free.append(block)
-        self._evictor.clear()
-        return n

@@ -21,7 +21,7 @@ _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, size: int, ctx: LayerContext, elementwise_affine: bool = True) -> None:
+    def __init__(self, size: int, ctx: LayerContext) -> None:
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.ones(size, dtype=ctx.dtype, device=ctx.device),

@@ -49,16 +49,6 @@ def ipex_paged_attention() -> Any:
     return _IPEX
 
 
-def ipex_available() -> tuple[bool, str]:
-    """(importable?, version or reason) without importing IPEX."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return True, version("intel_extension_for_pytorch")
-    except PackageNotFoundError:
-        return False, "intel_extension_for_pytorch is not installed"
-
-
 class IpexPagedAttention(AttentionImpl):
     name = "ipex"
     supported_features = ("sliding_window", "logits_soft_cap")

@@ -45,7 +45,6 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     # the MoE layer on packed experts in one call (backends/cpu/fused_moe.py)
     "pagedllm_cpu_moe": (("fused_moe_cpu.cpp",), "torch"),
 }
-SOURCES = tuple(name for sources, _ in LIBRARIES.values() for name in sources)
 # headers the sources include: hashed into every library's build directory name (not compiled)
 HEADERS = ("attention_args.h", "attention_vec.h", "vec_math.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]

@@ -83,15 +83,6 @@ def make_layers(num_layers: int, build: Callable[[int], nn.Module], pp_rank: int
     return start, end, layers
 
 
-def owns_parameter(name: str, start: int, end: int, prefix: str = "layers.") -> bool:
-    """Whether a (renamed) checkpoint tensor ``prefix<i>.…`` belongs to a layer in [start, end);
-    names outside the decoder stack are decided by the model."""
-    if not name.startswith(prefix):
-        return True
-    index = name[len(prefix):].split(".", 1)[0]
-    return not index.isdigit() or start <= int(index) < end
-
-
 def empty_intermediate(keys: tuple[str, ...], num_tokens: int, hidden_size: int,
                        dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Receive buffers for a stage's inputs: each ``[num_tokens, hidden_size]``."""
