@@ -55,7 +55,7 @@ def run_mode(llm: Any, prompts: list[list[int]], output_len: int, in_flight: int
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
-    engine.pipeline.max_in_flight = in_flight
+    engine.stepper.engines.max_in_flight = in_flight
     engine.executor.stage_timelines()  # clear what earlier runs left
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.monotonic()

@@ -72,7 +72,7 @@ def main() -> None:
         index = state["index"]
         if index in windows:
             state["window"] = [_open_timeline(), index + windows[index] - 1, []]
-        inflight = engine._inflight
+        inflight = getattr(engine.stepper, "_inflight", None)
         scheduled.clear()
         t0 = time.perf_counter()
         outputs = plain_step()

@@ -10,20 +10,18 @@ from typing import Any
 from pagedllm.backends.registry import resolve_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockManager
-from pagedllm.core.batch import ScheduledBatch
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
-from pagedllm.engine.virtual_engines import VirtualEngines
 from pagedllm.executor.base import make_executor
 from pagedllm.models.layers.attention import model_sliding_window
 from pagedllm.models.registry import check_model_supported
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.worker.pending import PendingOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +42,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    """The offline engine. ``step()`` is schedule -> execute -> process, nothing more."""
+    """The offline engine. ``step()`` is schedule -> execute -> process, nothing more: the
+    stepper chosen at start (engine/steppers/) schedules and executes in the engine's mode
+    (plain, scheduled ahead, pipelined), the output processor applies what came back."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -76,7 +76,6 @@ class LLMEngine:
             for _ in range(config.parallel.pipeline_parallel_size)]
         self.scheduler = self.schedulers[0]
         self.block_manager = self.scheduler.block_manager
-        self.pipeline = VirtualEngines(self.schedulers) if len(self.schedulers) > 1 else None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.model.max_model_len)
         self._requests: dict[str, SequenceGroup] = {}
@@ -88,14 +87,16 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
         self._error: BaseException | None = None
-        # schedule step N+1 while step N runs on the device (see Scheduler.schedule_ahead)
-        self._ahead = (self.backend.capabilities.async_output and self.executor.supports_async
-                       and not config.disable_async_output_proc and self.pipeline is None)
-        self._inflight: tuple[SchedulerOutput, PendingOutputs] | None = None
-        self.num_steps_ahead = 0  # steps launched before the previous one's outputs were read
-        logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d",
-                    self.backend.name, config.model.dtype, num_device, num_host,
-                    config.cache.block_size)
+        self.stepper = make_stepper(config, self.backend, self.executor, self.schedulers,
+                                    self.guided)
+        logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d "
+                    "stepper=%s", self.backend.name, config.model.dtype, num_device, num_host,
+                    config.cache.block_size, type(self.stepper).__name__)
+
+    @property
+    def num_steps_ahead(self) -> int:
+        """Steps launched before the previous one's outputs were read (scheduled ahead)."""
+        return self.stepper.num_steps_ahead
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -168,7 +169,7 @@ class LLMEngine:
         if params.guided_decoding is not None:
             self.guided.add(group)  # joins the scheduler once its grammar is compiled
         else:
-            (self.pipeline.assign(group) if self.pipeline else self.scheduler).add(group)
+            self.stepper.add(group)
 
     def _prepare_logits_controls(self, params: SamplingParams) -> None:
         """Checks token ids against the vocabulary, tokenizes bad_words and parses the guided
@@ -200,38 +201,28 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Process one step's outputs. With ``_ahead``, the next step is launched before this
-        one's outputs are read, so the device never waits for this Python work."""
+        """One step: the stepper schedules and executes (in its mode), then the outputs that are
+        on the host are processed."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed earlier and cannot continue: {self._error}")
         self._admit_guided()
-        if self.pipeline is not None:
-            return self._step_pipelined()
-        if self._inflight is not None:
-            (sched, pending), self._inflight = self._inflight, None
-        else:
-            sched = self.scheduler.schedule()
-            pending = None if sched.batch.is_empty() else self._launch(sched)
-        # a guided sequence's next mask needs this step's token on the host: no step ahead
-        if pending is not None and self._ahead and not self.guided.has_live():
-            ahead = self.scheduler.schedule_ahead(sched)
-            if ahead is not None:
-                self._inflight = (ahead, self._launch(ahead))
-                self.num_steps_ahead += 1
-        outputs = [] if pending is None else self._guard(pending.result)
-        self.scheduler.after_step(sched)
-        return self._process(sched, outputs)
+        try:
+            done = self.stepper.step()
+        except BaseException as exc:
+            # the scheduler already counted the step's tokens as computed: state is unusable
+            self._error = exc
+            raise
+        return self._process(done)
 
     def _admit_guided(self) -> None:
         """Requests whose grammar is compiled join the scheduler; failed ones finish with the
         error. With nothing else to run, waits a little for a compile instead of spinning."""
         if not self.guided.num_compiling:
             return
-        idle = (not any(s.has_unfinished() for s in self.schedulers) and self._inflight is None
-                and not (self.pipeline and self.pipeline.in_flight))
+        idle = not any(s.has_unfinished() for s in self.schedulers) and not self.stepper.in_flight
         ready, failed = self.guided.pop_ready(wait_s=0.05 if idle else 0.0)
         for group in ready:  # as add_request places an unguided request
-            (self.pipeline.assign(group) if self.pipeline else self.scheduler).add(group)
+            self.stepper.add(group)
         for group, error in failed:
             logger.warning("request %s failed: %s", group.request_id, error)
             self._finish_unscheduled(group, error)
@@ -245,82 +236,47 @@ class LLMEngine:
         out.error = error
         self._pending_outputs.append(out)
 
-    def _launch(self, sched: SchedulerOutput) -> PendingOutputs:
-        sched.batch.token_bitmask = self.guided.bitmask(sched)
-        if self.pipeline is not None:
-            return self._guard(lambda: self.executor.submit(sched.batch))
-        if self._ahead:
-            return self._guard(lambda: self.executor.execute_async(sched.batch))
-        return PendingOutputs(self._guard(lambda: self.executor.execute(sched.batch)))
-
-    def _guard(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except BaseException as exc:
-            # the scheduler already counted the step's tokens as computed: state is unusable
-            self._error = exc
-            raise
-
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """Pipeline parallelism: every idle virtual engine launches its next batch, then the
-        oldest batch in flight is finished, so up to pipeline_parallel_size batches are in the
-        stages at once."""
-        assert self.pipeline is not None
-        self.pipeline.fill(self._launch)
-        entry = self.pipeline.pop()
-        if entry is None:  # nothing to run: report aborts
-            return self._process(SchedulerOutput(batch=ScheduledBatch()), [])
-        ve, sched, pending = entry
-        outputs = [] if pending is None else self._guard(pending.result)
-        self.schedulers[ve].after_step(sched)
-        return self._process(sched, outputs, self.schedulers[ve])
-
-    def _process(self, sched: Any, outputs: list,
-                 scheduler: Scheduler | None = None) -> list[RequestOutput]:
-        self.guided.advance(sched, outputs)
-        touched = self.output_processor.apply(sched, outputs, self._fork)
-        (scheduler or self.scheduler).free_finished()
+    def _process(self, done: StepDone | None) -> list[RequestOutput]:
+        """Apply a step's outputs (fork, detokenize, stop), free what finished, and build the
+        RequestOutputs; aborts since the last step are reported here too."""
         results, self._pending_outputs = self._pending_outputs, []
-        for group in [*sched.timed_out, *touched]:
+        if done is None:
+            return results
+        self.guided.advance(done.sched, done.outputs)
+        touched = self.output_processor.apply(done.sched, done.outputs, self._fork)
+        done.scheduler.free_finished()
+        for group in [*done.sched.timed_out, *touched]:
             finished = group.is_finished()
             if finished or group.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
                 results.append(self.output_processor.make_output(group))
             if finished:
                 self._requests.pop(group.request_id, None)
-                if self.pipeline is not None:
-                    self.pipeline.forget(group.request_id)
+                self.stepper.forget(group.request_id)
                 self.guided.free(group.request_id)
         return results
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
         child = parent.fork(next(self._seq_ids), index)
-        bm = self.pipeline.block_manager_of(group) if self.pipeline else self.block_manager
-        bm.fork(parent, child)
+        self.stepper.block_manager_of(group).fork(parent, child)
         group.seqs.append(child)
         return child
 
     # --- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return (any(s.has_unfinished() for s in self.schedulers) or bool(self._pending_outputs)
-                or self._inflight is not None or self.guided.num_compiling > 0
-                or bool(self.pipeline and self.pipeline.in_flight))
+                or self.stepper.in_flight or self.guided.num_compiling > 0)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(s.num_unfinished() for s in self.schedulers) + self.guided.num_compiling
 
     def stats(self) -> EngineStats:
-        bm, s = self.block_manager, self.scheduler
-        if self.pipeline is None:
-            return EngineStats(num_blocks=bm.num_device_blocks, num_free_blocks=bm.device.num_free,
-                               num_cached_blocks=bm.device.num_cached_idle,
-                               block_size=bm.block_size, num_running=len(s.running),
-                               num_waiting=len(s.waiting), num_swapped=len(s.swapped),
-                               num_preemptions=s.num_preemptions, kv_cache_usage=bm.usage())
-        bms = [x.block_manager for x in self.schedulers]  # virtual engines: totals
+        """Totals over the engine's schedulers (one per virtual engine)."""
+        bms = [x.block_manager for x in self.schedulers]
         return EngineStats(
             num_blocks=sum(b.num_device_blocks for b in bms),
             num_free_blocks=sum(b.device.num_free for b in bms),
-            num_cached_blocks=sum(b.device.num_cached_idle for b in bms), block_size=bm.block_size,
+            num_cached_blocks=sum(b.device.num_cached_idle for b in bms),
+            block_size=self.block_manager.block_size,
             num_running=sum(len(x.running) for x in self.schedulers),
             num_waiting=sum(len(x.waiting) for x in self.schedulers),
             num_swapped=sum(len(x.swapped) for x in self.schedulers),

@@ -142,7 +142,7 @@ def test_no_step_ahead_of_a_guided_token(llama_path: str) -> None:
         mp.setattr(CpuBackend, "capabilities",
                    dataclasses.replace(CpuBackend.capabilities, async_output=True))
         ahead = LLM(llama_path, device="cpu", dtype="float32", max_model_len=128)
-    assert ahead.llm_engine._ahead
+    assert type(ahead.llm_engine.stepper).__name__ == "AheadStepper"
     plain = LLM(llama_path, device="cpu", dtype="float32", max_model_len=128)
     params = [_sample(GuidedDecodingParams(regex="[a-z]{5,9}"), temperature=0),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]

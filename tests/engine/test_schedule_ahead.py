@@ -13,6 +13,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu.backend import CpuBackend
+from pagedllm.engine.steppers import AheadStepper, PlainStepper
 from pagedllm.testing.invariants import assert_drained
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9] * (1 + i % 3) for i in range(6)]
@@ -29,7 +30,8 @@ def _make(path: str, ahead: bool, **kwargs: object) -> LLM:
 @pytest.fixture(scope="module")
 def pair(llama_path: str) -> Iterator[tuple[LLM, LLM]]:
     plain, ahead = _make(llama_path, False), _make(llama_path, True)
-    assert not plain.llm_engine._ahead and ahead.llm_engine._ahead
+    assert type(plain.llm_engine.stepper) is PlainStepper
+    assert type(ahead.llm_engine.stepper) is AheadStepper
     yield plain, ahead
 
 
@@ -105,7 +107,7 @@ def test_abort_while_a_step_is_ahead(pair: tuple[LLM, LLM]) -> None:
     p = _greedy(max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):
         eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
-    while eng._inflight is None:
+    while not eng.stepper.in_flight:
         eng.step()
     eng.abort_request("r1")
     final = {}
@@ -121,7 +123,7 @@ def test_new_requests_are_not_held_back(pair: tuple[LLM, LLM]) -> None:
     eng = pair[1].llm_engine
     p = _greedy(max_tokens=30, ignore_eos=True)
     eng.add_request("first", {"prompt_token_ids": PROMPTS[0]}, p)
-    while eng._inflight is None:
+    while not eng.stepper.in_flight:
         eng.step()
     eng.add_request("late", {"prompt_token_ids": PROMPTS[1]}, p)
     for _ in range(3):
