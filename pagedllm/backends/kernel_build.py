@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def csrc_dir() -> Path | None:
 
 def cache_root() -> Path:
     default = Path.home() / ".cache" / "pagedllm" / "kernels"
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or default)
+    return Path(envs.PAGEDLLM_CACHE_DIR or default)
 
 
 def build_directory(files: Sequence[str], target: str, flags: dict[str, list[str]]) -> Path:

@@ -35,6 +35,12 @@ class ScheduledSeq:
     # prompt tokens at positions start_pos+1 .. start_pos+len(targets): their logprobs are wanted
     # (prompt_logprobs), predicted by the first len(targets) positions of this chunk
     prompt_logprob_targets: list[int] | None = None
+    # speculative decoding (pagedllm/spec_decode): the last ``num_spec_tokens`` of token_ids are
+    # drafts the step verifies (their positions' logits are sampled too; the row emits 1 to
+    # num_spec_tokens + 1 tokens); ``num_lookahead`` > 0: the worker's proposer drafts that many
+    # tokens after the step's sampled one (the block table covers their positions)
+    num_spec_tokens: int = 0
+    num_lookahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,3 +92,5 @@ class SeqOutput:
     seq_id: int
     samples: list[Sample]
     prompt_logprobs: list[PositionLogprobs] | None = None
+    # speculative decoding: the drafts the worker's proposer made for the next step
+    spec_token_ids: list[int] | None = None

@@ -5,6 +5,8 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from pagedllm import envs
+
 if TYPE_CHECKING:
     from pagedllm.backends.interface import Backend
     from pagedllm.config import EngineConfig
@@ -43,15 +45,9 @@ def worker_num_threads(ranks_on_host: int, host_cpus: int | None = None) -> int:
     """Intra-op threads for one worker: ``PAGEDLLM_WORKER_THREADS``, else an even share of the
     host's CPUs (this host's unless given), so that N workers on one host do not oversubscribe
     it."""
-    raw = os.environ.get("PAGEDLLM_WORKER_THREADS", "").strip()
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"PAGEDLLM_WORKER_THREADS={raw!r} is invalid: must be an integer >= 1")
-        return value
+    forced = envs.PAGEDLLM_WORKER_THREADS
+    if forced is not None:
+        return forced
     cpus = host_cpus if host_cpus is not None else available_cpus()
     return max(1, cpus // max(1, ranks_on_host))
 
@@ -114,4 +110,5 @@ def verify_pipeline_parallel(config: EngineConfig, backend: Backend) -> None:
         raise ValueError(f"pipeline_parallel_size={pp}: {arch} does not run as pipeline stages "
                          f"yet (its model builds its layers without models/layers/pipeline.py's "
                          f"make_layers); use pipeline_parallel_size=1")
-    partition_layers(config.model.get_num_layers(), pp)  # raises naming the problem
+    partition_layers(config.model.get_num_layers(), pp,
+                     config.parallel.pp_layer_partition)  # raises naming the problem

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.backends.interface import Backend
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import WorkerDiedError, WorkerError
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 # a torch device type -> the Ray resource its ranks reserve (a backend may override)
 RAY_RESOURCES = {"cuda": "GPU", "xla": "TPU", "cpu": "CPU"}
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
 CLOSE_TIMEOUT_S = 5.0
 DEATH_GRACE_S = 1.0
 
@@ -152,10 +152,11 @@ class RayExecutor(MultiWorkerExecutor):
                                f"{resource} but the Ray cluster has {have:g}; add nodes or lower "
                                f"the parallel sizes")
         pg = self._res.pg = placement_group([{resource: 1}] * n, strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        timeout_s = envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             raise RuntimeError(f"Ray could not place {n} bundles of {{{resource!r}: 1}} within "
-                               f"{PLACEMENT_TIMEOUT_S:g} s (PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S); "
+                               f"{timeout_s:g} s (PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S); "
                                f"free resources: {ray.available_resources()}")
         env = forwarded_env()
         for rank in range(n):

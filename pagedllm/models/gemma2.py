@@ -144,7 +144,7 @@ class Gemma2ForCausalLM(nn.Module):
             config.num_hidden_layers,
             lambda i: self.layer_cls(config, ctx, self.rotary_for(config, i, max_positions),
                                      layer_sliding_window(config, i, max_positions)),
-            pp.rank, pp.size)
+            pp.rank, pp.size, ctx.layer_partition)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if pp.is_last else None
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if pp.is_last
                         else PPMissingLayer())

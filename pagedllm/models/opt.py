@@ -94,7 +94,8 @@ class OPTForCausalLM(nn.Module):
                                  if config.do_layer_norm_before and pp.is_last
                                  and not getattr(config, "_remove_final_layer_norm", False) else None)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: OPTDecoderLayer(config, ctx), pp.rank, pp.size)
+            config.num_hidden_layers, lambda i: OPTDecoderLayer(config, ctx), pp.rank, pp.size,
+            ctx.layer_partition)
         self.pp = pp
         if pp.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, embed_dim, ctx)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pagedllm import envs
 from pagedllm.testing.report import NOT_DECLARED, CheckDims, Coverage, capability_label
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def device_name(config: pytest.Config) -> str:
-    return (config.getoption("pagedllm_device", None) or os.environ.get("PAGEDLLM_TEST_DEVICE")
+    return (config.getoption("pagedllm_device", None) or envs.PAGEDLLM_TEST_DEVICE
             or DEFAULT_DEVICE).lower()
 
 
@@ -136,7 +137,7 @@ def _check_backend(config: pytest.Config) -> None:
     tested = block_sizes_to_test(caps.block_sizes, caps.preferred_block_size)
     from pagedllm.config import ATTENTION_BACKEND_ENV
 
-    attention = os.environ.get(ATTENTION_BACKEND_ENV) or "default"
+    attention = envs.get(ATTENTION_BACKEND_ENV) or "default"
     cov.header = (f"backend {name!r} from {info.source}; torch device {info.cls.torch_device!r}; "
                   f"attention {attention}; plugin API "
                   f"{info.extra.get('plugin_api_version') or 'not stated'}; dtypes "
@@ -249,7 +250,7 @@ def _backend_facts(cls: type[Backend]) -> dict[str, Any]:
             "backend_plugin_api_version": getattr(cls, "plugin_api_version", None),
             "torch_version": torch.__version__, "python": platform.python_version(),
             "torch_device": cls.torch_device,
-            "attention_backend": os.environ.get("PAGEDLLM_ATTENTION_BACKEND") or "default",
+            "attention_backend": envs.PAGEDLLM_ATTENTION_BACKEND or "default",
             "capabilities": {k: list(v) if isinstance(v, tuple) else v
                              for k, v in dataclasses.asdict(cls.capabilities).items()}}
 
@@ -279,7 +280,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} {NOT_DECLARED}"
                         f"{capability_label(need)}")
-        choice = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        choice = envs.PAGEDLLM_ATTENTION_BACKEND
         if choice and not _chosen_attention_supports(cls, need):
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} with attention {choice!r} "

@@ -10,9 +10,10 @@ sampled: they are skipped and reported NOT DECLARED as in a full run.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from pagedllm import envs
 
 SAMPLE_ENV = "PAGEDLLM_CONFORMANCE_SAMPLE"
 SAMPLED_OUT = "sampled out"
@@ -20,7 +21,7 @@ SAMPLED_OUT = "sampled out"
 
 def sample_limit(option: str | int | None) -> int | None:
     """The per-check case limit: the option, else $PAGEDLLM_CONFORMANCE_SAMPLE; None: run all."""
-    raw = option if option not in (None, "") else os.environ.get(SAMPLE_ENV, "")
+    raw = option if option not in (None, "") else envs.get(SAMPLE_ENV)
     if raw in (None, "", "0", "all"):
         return None
     try:

@@ -44,7 +44,7 @@ class Worker:
         self.pp = pp or PPGroup()
         # this stage's decoder layers [start, end): it holds their weights and KV cache only
         self.layer_range = get_pp_indices(config.model.get_num_layers(), self.pp.rank,
-                                          self.pp.size)
+                                          self.pp.size, config.parallel.pp_layer_partition)
         self.num_layers = self.layer_range[1] - self.layer_range[0]
         # one KV cache (and host swap space) per virtual engine: the batches of different
         # engines are in flight in different stages at once (vLLM 0.7's virtual engines)
@@ -105,7 +105,8 @@ class Worker:
         ops = Ops()
         self.backend.register_ops(ops)
         ctx = LayerContext(ops=ops, tp=self.tp, dtype=self.dtype, device=self.device,
-                           attn_cls=self.attn_cls, pp=self.pp)
+                           attn_cls=self.attn_cls, pp=self.pp,
+                           layer_partition=self.config.parallel.pp_layer_partition)
         with torch.inference_mode():
             self.model = load_model(self.config.model, ctx)
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,

@@ -111,5 +111,6 @@ def test_float32_routes_match_reference_at_every_row_count(fp32_route, route) ->
 
 def test_bad_fp32_route_names_the_variable_and_choices(fp32_route) -> None:
     fp32_route("blas")
-    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_FP32_LINEAR='blas' is not one of"):
+    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_FP32_LINEAR='blas' is invalid: "
+                                         r"allowed values are mkl, onednn"):
         ops.fp32_linear_route()

@@ -140,10 +140,10 @@ def test_keep_unpacked_switch(route, monkeypatch: pytest.MonkeyPatch) -> None:
     layer, w, _ = _layer(24, 16, torch.float32, bias=False)
     ops.linear_prepare(layer)
     assert not isinstance(layer.weight, ops.ReleasedWeight) and torch.equal(layer.weight, w)
-    monkeypatch.setenv(ops.KEEP_UNPACKED_ENV, "yes")
+    monkeypatch.setenv(ops.KEEP_UNPACKED_ENV, "maybe")
     layer, _, _ = _layer(24, 16, torch.float32, bias=False)
-    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS='yes' is not one of "
-                                         r"\('0', '1'\)"):
+    with pytest.raises(ValueError, match=r"PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS='maybe' is invalid: "
+                                         r"allowed values are 1, true, yes, on"):
         ops.linear_prepare(layer)
 
 

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.backends.cpu import ops as cpu_ops
 from pagedllm.backends.cpu.kernels import optional_cpu_kernels
 from pagedllm.models.layers.moe_ops import check_shapes, fused_moe_grouped, run_grouped
@@ -105,7 +106,7 @@ def _release(part: torch.Tensor, packs: list[SimpleNamespace]) -> None:
 @functools.lru_cache(maxsize=None)
 def parallel_experts() -> bool:
     """Whether oneDNN's route runs the experts hit in parallel (read once per process)."""
-    return cpu_ops.env_flag(PARALLEL_ENV, True)
+    return envs.PAGEDLLM_CPU_MOE_PARALLEL
 
 
 def fused_moe_prepare(experts: nn.Module) -> None:

@@ -24,7 +24,7 @@ import ctypes.util
 import functools
 import logging
 
-from pagedllm.backends.cpu.kernels import env_turned_off
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def release_free_pages() -> bool:
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to serve every allocation from its heap and never shrink it; True when
     applied (glibc and not turned off by the environment)."""
-    if env_turned_off(KEEP_FREED_MEMORY_ENV):
+    if not envs.PAGEDLLM_CPU_KEEP_FREED_MEMORY:
         return False
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:

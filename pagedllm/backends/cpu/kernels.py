@@ -21,11 +21,11 @@ Importing this module imports nothing heavy.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 
 logger = logging.getLogger(__name__)
@@ -55,14 +55,9 @@ _ops: Any = None
 _error: str | None = None
 
 
-def env_turned_off(name: str) -> bool:
-    """True when the environment variable ``name`` is 0 / false / off / no."""
-    return os.environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
-
-
 def cpu_kernels_disabled() -> bool:
-    """True when $PAGEDLLM_CPU_KERNELS is 0 / false / off / no."""
-    return env_turned_off(ENABLE_ENV)
+    """True when $PAGEDLLM_CPU_KERNELS is off (pagedllm/envs.py's on/off grammar)."""
+    return not envs.PAGEDLLM_CPU_KERNELS
 
 
 def compile_flags(library: str = "pagedllm_cpu") -> list[str]:
@@ -114,7 +109,7 @@ def _build() -> Any:
         jit_load(name, sources, build_dir, is_python_module=False, build_time="~15 s",
                  extra_cflags=flags,
                  extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-                 verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1")
+                 verbose=envs.PAGEDLLM_VERBOSE_BUILD)
     return torch.ops.pagedllm_cpu
 
 

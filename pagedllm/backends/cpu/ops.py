@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -46,6 +45,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,7 @@ def mkl_packed_linear_supported() -> bool:
 def fp32_linear_route() -> str:
     """"mkl" or "onednn": the route float32 linears take (see the module doc); "onednn" also
     where neither runs (linear_prepare then leaves F.linear)."""
-    choice = os.environ.get(FP32_LINEAR_ENV, "").strip().lower()
-    if choice and choice not in FP32_LINEAR_CHOICES:
-        raise ValueError(f"{FP32_LINEAR_ENV}={choice!r} is not one of {FP32_LINEAR_CHOICES}")
+    choice = envs.PAGEDLLM_CPU_FP32_LINEAR  # None or one of FP32_LINEAR_CHOICES
     if not mkl_packed_linear_supported():
         return "onednn"
     if choice or not onednn_linear_supported(torch.float32):
@@ -142,9 +141,7 @@ HALF_LINEAR_CHOICES = ("native", "float32")
 def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a ``dtype`` (bf16/fp16) model's linears run in: ``dtype`` itself where oneDNN
     runs it natively and not slower than the float32 route, else float32 (see the module doc)."""
-    choice = os.environ.get(HALF_LINEAR_ENV, "").strip().lower()
-    if choice and choice not in HALF_LINEAR_CHOICES:
-        raise ValueError(f"{HALF_LINEAR_ENV}={choice!r} is not one of {HALF_LINEAR_CHOICES}")
+    choice = envs.PAGEDLLM_CPU_HALF_LINEAR  # None or one of HALF_LINEAR_CHOICES
     if not onednn_linear_supported(dtype):
         return torch.float32
     if choice:
@@ -168,7 +165,6 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 KEEP_UNPACKED_ENV = "PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS"
-KEEP_UNPACKED_CHOICES = ("0", "1")  # the values of every cpu on/off switch (env_flag)
 
 
 def shape_only_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -207,18 +203,9 @@ class ReleasedWeight(torch.Tensor):
         return f"ReleasedWeight({self.owner})"
 
 
-def env_flag(env: str, default: bool) -> bool:
-    """$env as a switch: "1" or "0", ``default`` where unset; anything else is a ValueError
-    naming the variable and the allowed values."""
-    value = os.environ.get(env, "").strip()
-    if value and value not in KEEP_UNPACKED_CHOICES:
-        raise ValueError(f"{env}={value!r} is not one of {KEEP_UNPACKED_CHOICES}")
-    return default if not value else value == "1"
-
-
 def keep_unpacked_weights() -> bool:
     """$PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS=1: packed layers keep their plain weights too."""
-    return env_flag(KEEP_UNPACKED_ENV, False)
+    return envs.PAGEDLLM_CPU_KEEP_UNPACKED_WEIGHTS
 
 
 def _weight_refcount(layer: Any) -> int:

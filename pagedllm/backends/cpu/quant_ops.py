@@ -35,7 +35,6 @@ Low-precision compute mode (IPEX's ``lowp_mode``), PAGEDLLM_CPU_QUANT_LOWP_MODE:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.backends.cpu import quant_lowp
 from pagedllm.backends.cpu.kernels import optional_cpu_kernels
 from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
@@ -69,31 +69,20 @@ def _cpu_kernels() -> Any:
 
 
 def quant_kernels_enabled() -> bool:
-    return os.environ.get(QUANT_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off")
+    return envs.PAGEDLLM_CPU_QUANT_KERNELS
 
 
 def lowp_mode() -> str:
     """The compute mode of INT8 linears from $PAGEDLLM_CPU_QUANT_LOWP_MODE (see the module doc)."""
-    mode = os.environ.get(LOWP_MODE_ENV, "none").strip().lower() or "none"
-    if mode not in LOWP_MODES:
-        raise ValueError(f"{LOWP_MODE_ENV}={mode!r} is not a cpu quantized compute mode; "
-                         f"allowed: {', '.join(LOWP_MODES)}")
-    return mode
+    return envs.PAGEDLLM_CPU_QUANT_LOWP_MODE  # one of LOWP_MODES (validated by envs)
 
 
 def dequant_min_rows(route: str = "int8") -> int:
     """Rows from which ``route`` ("int8" or "int4") dequantizes and runs the dense GEMM:
     $DEQUANT_ROWS_ENV for both where set, else DEQUANT_MIN_ROWS / DEQUANT_MIN_ROWS_INT4."""
-    raw = os.environ.get(DEQUANT_ROWS_ENV, "").strip()
-    if not raw:
+    rows = envs.PAGEDLLM_CPU_QUANT_DEQUANT_ROWS  # an integer >= 1 (validated by envs)
+    if rows is None:
         return DEQUANT_MIN_ROWS_INT4 if route == "int4" else DEQUANT_MIN_ROWS
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = -1
-    if rows < 1:
-        raise ValueError(f"{DEQUANT_ROWS_ENV}={raw!r} is not a row count; allowed: an integer "
-                         f">= 1 (a huge value keeps the weight-only kernel at every batch)")
     return rows
 
 

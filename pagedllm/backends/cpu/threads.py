@@ -39,6 +39,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
@@ -95,7 +97,7 @@ def allowed_cpus() -> tuple[int, ...]:
     """The CPUs this process may use, sorted: its mask before any binding in this process tree
     where one was recorded (and is still a subset of what the OS allows), else this thread's."""
     current = set(os.sched_getaffinity(0))
-    before = os.environ.get(_BEFORE_ENV, "")
+    before = envs.get(_BEFORE_ENV) or ""
     if before:
         try:
             recorded = {int(c) for c in before.split(",")}
@@ -142,7 +144,7 @@ def apply_thread_binding(rank: int = 0, world_size: int = 1, raw: str | None = N
     (None: left unbound). Once per (process, thread); a second call with the same CPUs does
     nothing. Raises ValueError for a bad value, RuntimeError where an explicit list cannot be
     applied (auto falls back to unbound with a warning)."""
-    raw = os.environ.get(BIND_ENV) if raw is None else raw
+    raw = envs.PAGEDLLM_CPU_OMP_THREADS_BIND if raw is None else raw
     spec = parse_bind(raw)
     cpus = cpus_for_rank(spec, rank, world_size)
     if cpus is None:

@@ -14,13 +14,13 @@ inputs, other GPUs, and every input when PAGEDLLM_GEMV=0 run F.linear (cuBLAS / 
 from __future__ import annotations
 
 from collections.abc import Callable
-import os
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.models.layers import ops as reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,6 +59,6 @@ def layer_ops(kernels: ModuleType) -> dict[str, Callable[..., Any]]:
     # The GEMV beats cuBLAS only where it streams through bulk copies and starts early (sm_90+).
     # (A kernel module without kernel_arch, e.g. the tests' SIMT emulator, has no GEMV.)
     arch = getattr(kernels, "kernel_arch", lambda: 0)()
-    if arch >= 900 and os.environ.get("PAGEDLLM_GEMV", "1").strip() != "0":
+    if arch >= 900 and envs.PAGEDLLM_GEMV:
         ops["linear"] = linear
     return ops

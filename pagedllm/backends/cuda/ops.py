@@ -15,12 +15,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Sequence
 
+from pagedllm import envs
 from pagedllm.backends.kernel_build import PACKAGE_DIR as _PACKAGE_DIR
 from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 
@@ -69,7 +69,7 @@ def _jit_build() -> ModuleType:
         extra_cflags=flags["cxx"],
         extra_cuda_cflags=flags["nvcc"],
         extra_include_paths=[str(src)],
-        verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD", "") == "1",
+        verbose=envs.PAGEDLLM_VERBOSE_BUILD,
     )
 
 
@@ -93,7 +93,7 @@ def _configure_launch(module: ModuleType) -> None:
     PAGEDLLM_PROGRAMMATIC_LAUNCH=0. The probe runs one kernel on the current device."""
     import torch
 
-    enable = os.environ.get("PAGEDLLM_PROGRAMMATIC_LAUNCH", "1").strip() != "0"
+    enable = envs.PAGEDLLM_PROGRAMMATIC_LAUNCH
     if enable and torch.cuda.is_available():
         on = module.configure_programmatic_launch(True)
         logger.debug("programmatic dependent launch: %s", "on" if on else "off (before sm_90)")

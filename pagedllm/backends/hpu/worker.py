@@ -6,10 +6,10 @@ habana_frameworks: mark_step and graph wrapping do nothing there (habana.py).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.backends.hpu import habana
 from pagedllm.backends.hpu.buckets import HpuBuckets
 from pagedllm.backends.hpu.model_runner import HpuModelRunner
@@ -54,7 +54,7 @@ class HpuWorker(Worker):
         return max(0, int(limit * self.config.cache.gpu_memory_utilization) - peak)
 
     def after_cache_init(self) -> None:
-        if os.environ.get(WARMUP_ENV, "1") == "0":
+        if not envs.PAGEDLLM_HPU_WARMUP:
             return
         assert self.runner is not None
         cfg = self.config

@@ -24,11 +24,11 @@ Two attention paths:
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+from pagedllm import envs
 from pagedllm.backends.tpu.layout import SeqRows, ragged_layout, token_layout
 
 KERNEL_ENV = "PAGEDLLM_TPU_KERNEL"  # "0" forces the gather path on a TPU (debugging)
@@ -68,7 +68,7 @@ def gather_attention(query: torch.Tensor, pages: torch.Tensor, token_tables: tor
 def on_tpu(device: torch.device) -> bool:
     """Whether ``device`` is an XLA device backed by a TPU where the Pallas kernel can run
     (it is traced through JAX: torch_xla[pallas] must be installed)."""
-    if device.type != "xla" or os.environ.get(KERNEL_ENV, "1") == "0":
+    if device.type != "xla" or not envs.PAGEDLLM_TPU_KERNEL:
         return False
     import torch_xla.runtime as xr
 

@@ -16,6 +16,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+from pagedllm import envs
 from pagedllm.backends.interface import Backend, CacheOps, Capabilities
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ INSTALL_HINT = "pip install torch-xla; on a TPU VM: pip install 'torch-xla[tpu]'
 
 
 def _cpu_allowed() -> bool:
-    return os.environ.get(ALLOW_CPU_ENV, "") not in ("", "0")
+    return envs.PAGEDLLM_TPU_ALLOW_CPU
 
 
 class TpuBackend(Backend):

@@ -3,11 +3,11 @@ front (warm-up), and a ``torch_xla.sync()`` at each step boundary (model_runner.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
+from pagedllm import envs
 from pagedllm.backends.tpu.attention import on_tpu
 from pagedllm.backends.tpu.buckets import BucketGrid, powers_of_two
 from pagedllm.backends.tpu.cache_ops import XlaCacheOps
@@ -83,7 +83,7 @@ class TpuWorker(Worker):
         torch_xla.sync()  # materialize the zeroed caches (else the first program builds them)
         assert self.runner is not None
         grid = self.runner.grid
-        if os.environ.get(WARMUP_ENV, "1") == "0":
+        if not envs.PAGEDLLM_TPU_WARMUP:
             logger.info("tpu warm-up skipped (%s=0): buckets compile on first use; %s",
                         WARMUP_ENV, grid.describe())
             return

@@ -3,20 +3,17 @@ constraint, so a never-seen schema does not stall the requests already running."
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.engine.guided.validate import parse_grammar
 from pagedllm.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger(__name__)
 
-# seconds a request may wait for its grammar before it fails (the compile itself cannot be
-# interrupted; its result is still cached for later requests)
-COMPILE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT", "30"))
 CACHE_ENTRIES = 1024
 
 
@@ -49,12 +46,14 @@ class GrammarCompilerService:
     ``CompiledGrammar`` (the same Future for an equal constraint while it is cached)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
-                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 timeout_s: float | None = None) -> None:
         import xgrammar as xgr
 
         # the model's vocabulary may be padded past the tokenizer's: those ids are never allowed
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
+        # seconds a request may wait for its grammar before it fails (the compile itself cannot
+        # be interrupted; its result is still cached for later requests)
+        self.timeout_s = envs.PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT if timeout_s is None else timeout_s
         self.stop_token_ids = sorted(stop_token_ids)
         self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.core.batch import PENDING_TOKEN, SeqOutput
 from pagedllm.core.sequence import SequenceGroup
 from pagedllm.engine.guided.compiler import GrammarCompileError, GrammarCompilerService
@@ -39,13 +40,6 @@ logger = logging.getLogger(__name__)
 # 1), at most FILL_THREADS
 FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 ROWS_PER_FILL_THREAD = 128
-# PAGEDLLM_GUIDED_OVERLAP=1 / 0: run the matcher job on the helper thread during the forward /
-# on the engine thread before it, whatever the backend; unset: the engine's choice (overlap
-# where the device runs apart from the host: on a 2-core cpu box the thread's hand-off cost
-# more than the 64-row job itself, 2.2 vs 1.4 ms per step on a loaded machine)
-_OVERLAP_ENV = os.environ.get("PAGEDLLM_GUIDED_OVERLAP", "").strip().lower()
-OVERLAP: bool | None = (None if not _OVERLAP_ENV
-                        else _OVERLAP_ENV not in ("0", "false", "off", "no"))
 
 
 class PendingBitmask:
@@ -89,7 +83,12 @@ class GuidedManager:
         self._matchers: dict[tuple[str, int], Any] = {}  # (request id, index) -> GrammarMatcher
         self._batch: dict[int, Any] = {}  # threads -> xgrammar.BatchGrammarMatcher
         self._stop: torch.Tensor | None = None  # the row of a terminated matcher, made once
-        self.overlap = OVERLAP if OVERLAP is not None else overlap
+        # $PAGEDLLM_GUIDED_OVERLAP on / off: run the matcher job on the helper thread during the
+        # forward / on the engine thread before it, whatever the backend; unset: ``overlap``, the
+        # engine's choice (overlap where the device runs apart from the host: on a 2-core cpu box
+        # the thread's hand-off cost more than the 64-row job itself, 2.2 vs 1.4 ms per step)
+        forced = envs.PAGEDLLM_GUIDED_OVERLAP
+        self.overlap = forced if forced is not None else overlap
         self._fill_pool: ThreadPoolExecutor | None = None
         self._fill: Future | None = None  # the step's job in flight, if any
         # (request id, matcher, token) sampled but not yet accepted: the next job accepts them

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import DEMO_MODEL, AsyncEngineArgs, EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    server.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    server.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $PAGEDLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", default=None,

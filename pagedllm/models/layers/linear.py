@@ -25,6 +25,8 @@ class LayerContext:
     device: torch.device
     attn_cls: type
     pp: PPGroup = field(default_factory=PPGroup)  # the pipeline stage this model shard runs
+    # the stages' layer counts (ParallelConfig.pp_layer_partition); None: an even split
+    layer_partition: tuple[int, ...] | None = None
     # the checkpoint's quantization (models/layers/quantization QuantizationConfig) or None
     quant: Any = None
 

@@ -1,0 +1,109 @@
+"""Builds a worker's device proposer (draft model or EAGLE head) from a SpeculativeConfig whose
+method and model were resolved when the engine started (``resolve_method``)."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.models.layers.linear import LayerContext
+from pagedllm.models.loader import iterate_checkpoint, load_model, prepare_linears
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.eagle import Eagle1Head, Eagle3Head, eagle_version, is_eagle_checkpoint
+from pagedllm.spec_decode.proposer import DeviceProposer, DraftModelProposer, EagleProposer
+
+
+def load_config(path: str) -> Any:
+    """The checkpoint's transformers config; EAGLE folders whose model_type transformers does
+    not know (vLLM's "eagle") load as a LlamaConfig of their fields."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"speculative_config.model={path!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError):
+        with open(os.path.join(path, "config.json")) as f:
+            fields = json.load(f)
+        fields.pop("model_type", None)
+        return LlamaConfig(**fields)
+
+
+def resolve_method(spec: SpeculativeConfig) -> str:
+    """The method of a config that named only a model: eagle (or eagle3) for an EAGLE head's
+    folder, else draft_model."""
+    if spec.method is not None:
+        return spec.method
+    assert spec.model is not None
+    if is_eagle_checkpoint(spec.model):
+        hf = load_config(spec.model)
+        return "eagle3" if eagle_version(spec.model, hf, _tensor_names(spec.model)) == 3 else "eagle"
+    return "draft_model"
+
+
+def _tensor_names(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return []
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def check_draft_config(spec: SpeculativeConfig, config: EngineConfig) -> Any:
+    """The draft's (or head's) config, checked against the target: the same vocabulary (a draft
+    model must share the tokenizer); returns it."""
+    assert spec.model is not None
+    hf = load_config(spec.model)
+    target_vocab = config.model.get_vocab_size()
+    vocab = int(getattr(hf, "vocab_size", 0) or 0)
+    if vocab != target_vocab:
+        raise ValueError(f"speculative_config.model={spec.model!r} has vocab_size={vocab}, the "
+                         f"target model {target_vocab}: a draft must share the target's "
+                         "tokenizer")
+    return hf
+
+
+def build_proposer(spec: SpeculativeConfig, config: EngineConfig, target: nn.Module,
+                   ctx: LayerContext) -> DeviceProposer:
+    """Load the draft model or EAGLE head onto ``ctx``'s device (float weights in the target's
+    dtype, one unsharded copy)."""
+    assert spec.model is not None and spec.method in ("draft_model", "eagle", "eagle3")
+    hf = check_draft_config(spec, config)
+    own = dataclasses.replace(ctx, quant=None)
+    block_size = config.cache.block_size
+    max_len = config.model.max_model_len
+    with torch.inference_mode():
+        if spec.method == "draft_model":
+            mc = ModelConfig(model=spec.model, tokenizer=spec.model, dtype=config.model.dtype,
+                             max_model_len=max_len, seed=config.model.seed,
+                             load_format="dummy" if config.model.load_format == "dummy"
+                             else "auto", hf_config=hf)
+            model = load_model(mc, own)
+            return DraftModelProposer(model, hf, own, block_size)
+        names = _tensor_names(spec.model)
+        version = 3 if spec.method == "eagle3" else eagle_version(spec.model, hf, names)
+        if not hasattr(target, "embed_tokens") or not hasattr(target, "layers"):
+            raise ValueError(f"speculative_config.method={spec.method!r} needs a Llama-family "
+                             f"target (embed_tokens, decoder layers); "
+                             f"{type(target).__name__} is not one")
+        own_embedding = "embed_tokens.weight" in names or "model.embed_tokens.weight" in names
+        if version == 3:
+            head: nn.Module = Eagle3Head(hf, own, max_len, int(config.model.hf_config.hidden_size),
+                                         own_embedding=own_embedding)
+        else:
+            fc_bias = "fc.bias" in names or bool(getattr(hf, "eagle_fc_bias", False))
+            head = Eagle1Head(hf, own, max_len, fc_bias=fc_bias, own_embedding=own_embedding)
+        head.load_weights(iterate_checkpoint(spec.model))
+        prepare_linears(head, own)
+        return EagleProposer(head.eval(), target, own, block_size)

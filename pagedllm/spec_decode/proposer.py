@@ -1,0 +1,296 @@
+"""Proposers that run on the workers: a draft model (any registered family sharing the target's
+tokenizer) and an EAGLE head (reads the target's hidden states). Both keep a paged KV cache of
+their own, indexed by the target's block tables (the same block ids, in tensors of their own):
+the block manager allocates once for both, and copy-on-write, swapping and prefix caching act
+on both.
+
+Each step the proposer mirrors what the target computed: for every scheduled sequence it runs
+the tokens whose KV became final this step (a prompt chunk; for a verification, the last token
+and the accepted drafts), plus the token the step sampled, then drafts greedily, one position
+per forward. Its KV therefore equals the target's history position for position, and stale
+draft-token KV past the accepted run is overwritten by the next step's mirror pass.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.batch import ScheduledSeq
+from pagedllm.models.layers.linear import LayerContext
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import build_metadata
+
+logger = logging.getLogger(__name__)
+
+_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class MirrorSeq:
+    """One sequence's share of the step, as a proposer sees it.
+
+    ``tokens`` sit at positions ``[start_pos, start_pos + len(tokens))`` and their KV is final
+    (``target_rows``: their rows of the target's hidden states this step); ``new_token`` is the
+    token sampled after them (None: a prompt chunk that samples nothing; ``next_token`` is then
+    the prompt token after the chunk, when known). ``num_drafts`` > 0: propose that many tokens
+    after ``new_token`` (the block table covers their positions).
+    """
+
+    seq_id: int
+    block_table: list[int]
+    start_pos: int
+    tokens: list[int]
+    target_rows: list[int]
+    new_token: int | None = None
+    next_token: int | None = None
+    num_drafts: int = 0
+
+
+def _sched(seq_id: int, tokens: list[int], start: int, table: list[int],
+           samples: int) -> ScheduledSeq:
+    return ScheduledSeq(seq_id=seq_id, token_ids=tokens, start_pos=start, block_table=table,
+                        sampling_params=_PARAMS, num_samples=samples)
+
+
+def _layout(seqs: list[ScheduledSeq]) -> list[int]:
+    """Batch order build_metadata needs (multi-token chunks first): indices into ``seqs``."""
+    return sorted(range(len(seqs)), key=lambda i: 0 if seqs[i].num_tokens > 1 else 1)
+
+
+class DeviceProposer(ABC):
+    """A proposer with a model and KV cache on the worker's device."""
+
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
+        # cumulative, for tests: forwards run and drafts made
+        self.num_forwards = 0
+
+    @abstractmethod
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache shape for ``num_blocks`` blocks (the attention's layout)."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int: ...
+
+    def block_bytes(self, itemsize: int) -> int:
+        """Bytes one block takes in this proposer's caches (all its layers)."""
+        n = 1
+        for d in self.kv_layer_shape(1):
+            n *= d
+        return n * itemsize * self.num_layers
+
+    @abstractmethod
+    def propose(self, seqs: list[MirrorSeq], target_hidden: torch.Tensor | None
+                ) -> dict[int, list[int]]:
+        """Mirror the step and draft: seq_id -> drafts for sequences with num_drafts > 0."""
+
+    # --- shared driving loop ---------------------------------------------------------------
+    def _run(self, seqs: list[MirrorSeq], first: Any, step: Any) -> dict[int, list[int]]:
+        """``first(inputs) -> (logits of the drafting rows, state)`` runs the mirror pass;
+        ``step(tokens, positions, state) -> (logits, state)`` one draft position for each
+        drafting sequence. Greedy drafts (q = one-hot)."""
+        drafting = [s for s in seqs if s.num_drafts > 0 and s.new_token is not None]
+        if not seqs:
+            return {}
+        logits, state = first(seqs)
+        self.num_forwards += 1
+        if not drafting:
+            return {}
+        tokens = logits.argmax(dim=-1)  # [len(drafting)] on the device
+        drafts = [tokens]
+        want = max(s.num_drafts for s in drafting)
+        pos = [s.start_pos + len(s.tokens) for s in drafting]  # the new token's position
+        for i in range(1, want):
+            logits, state = step(tokens, [p + i for p in pos], state, drafting)
+            self.num_forwards += 1
+            tokens = logits.argmax(dim=-1)
+            drafts.append(tokens)
+        table = torch.stack(drafts, dim=1).tolist()  # [len(drafting), want]
+        return {s.seq_id: table[j][:s.num_drafts] for j, s in enumerate(drafting)}
+
+
+class DraftModelProposer(DeviceProposer):
+    """A smaller model of any registered family: ``LLM(target, speculative_config={"model":
+    DRAFT, "num_speculative_tokens": k})``."""
+
+    def __init__(self, model: nn.Module, hf_config: Any, ctx: LayerContext,
+                 block_size: int) -> None:
+        super().__init__(ctx.device, block_size)
+        self.model = model
+        self.hf_config = hf_config
+        self.attn_cls = ctx.attn_cls
+        heads = int(hf_config.num_attention_heads)
+        self.kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        self.head_size = int(getattr(hf_config, "head_dim", None)
+                             or hf_config.hidden_size // heads)
+        self._layers = int(hf_config.num_hidden_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return self._layers
+
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return self.attn_cls.kv_cache_shape(num_blocks, self.block_size, self.kv_heads,
+                                            self.head_size)
+
+    def propose(self, seqs: list[MirrorSeq], target_hidden: torch.Tensor | None
+                ) -> dict[int, list[int]]:
+        return self._run(seqs, self._mirror, self._step)
+
+    def _forward(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """Runs ``batch`` (any order); returns (hidden [T, H], each sequence's last row)."""
+        order = _layout(batch)
+        ordered = [batch[i] for i in order]
+        ids, positions, meta = build_metadata(ordered, self.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device),
+                            torch.tensor(positions, device=self.device), self.kv_caches, meta)
+        last, at = [0] * len(batch), 0
+        for i, s in zip(order, ordered):
+            at += s.num_tokens
+            last[i] = at - 1
+        return hidden, last
+
+    def _mirror(self, seqs: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
+        batch = [_sched(s.seq_id, s.tokens + ([s.new_token] if s.new_token is not None else []),
+                        s.start_pos, s.block_table, 1) for s in seqs]
+        hidden, last = self._forward(batch)
+        rows = [last[i] for i, s in enumerate(seqs)
+                if s.num_drafts > 0 and s.new_token is not None]
+        if not rows:
+            return hidden[:0], None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), None
+
+    def _step(self, tokens: torch.Tensor, positions: list[int], state: Any,
+              drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
+        host = tokens.tolist()
+        batch = [_sched(s.seq_id, [t], p, s.block_table, 1)
+                 for s, t, p in zip(drafting, host, positions)]
+        hidden, last = self._forward(batch)
+        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]), None
+
+
+class EagleProposer(DeviceProposer):
+    """An EAGLE-1 or EAGLE-3 head (spec_decode/eagle.py) over the target's hidden states:
+    ``speculative_config={"method": "eagle", "model": HEAD, "num_speculative_tokens": k}``."""
+
+    def __init__(self, head: nn.Module, target: nn.Module, ctx: LayerContext,
+                 block_size: int) -> None:
+        super().__init__(ctx.device, block_size)
+        self.head = head
+        self.target = target
+        self.attn_cls = ctx.attn_cls
+        # EAGLE-3: the residual stream entering these target layers, captured by hooks
+        self.aux: dict[int, torch.Tensor] = {}
+        self.aux_ids: tuple[int, ...] = ()
+        self._hooks: list[Any] = []
+        if head.version == 3 and head.use_aux:
+            layers = target.layers[target.start_layer:target.end_layer]
+            self.aux_ids = head.aux_layers(len(layers))
+            for i in self.aux_ids:
+                if not 0 <= i < len(layers):
+                    raise ValueError(f"the EAGLE-3 head reads target layer {i}, but the target "
+                                     f"has {len(layers)} layers (eagle_aux_hidden_state_layer_ids)")
+                self._hooks.append(self._hook(layers, i))
+
+    def _hook(self, layers: Any, i: int) -> Any:
+        """Capture the input residual stream of target layer ``i`` (= the output hidden +
+        residual of layer i - 1; layer 0's input is the embedding)."""
+        if i == 0:
+            def pre(module: nn.Module, args: tuple) -> None:
+                self.aux[0] = args[2]  # (positions, cos_sin, hidden, residual, ...)
+            return layers[0].register_forward_pre_hook(pre)
+
+        def post(module: nn.Module, args: tuple, out: tuple) -> None:
+            hidden, residual = out
+            self.aux[i] = hidden + residual
+        return layers[i - 1].register_forward_hook(post)
+
+    @property
+    def num_layers(self) -> int:
+        return self.head.num_layers
+
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return self.attn_cls.kv_cache_shape(num_blocks, self.block_size, self.head.num_kv_heads,
+                                            self.head.head_size)
+
+    def begin_target_forward(self) -> None:
+        """Called before the target's forward: the hooks collect this step's states."""
+        self.aux = {}
+
+    def target_features(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] the head's hidden input for the target's rows: the final hidden states
+        (EAGLE-1), or the fused auxiliary states (EAGLE-3)."""
+        if self.head.version == 3 and self.head.use_aux:
+            return self.head.combine(torch.cat([self.aux[i] for i in self.aux_ids], dim=-1))
+        return final_hidden
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.head.version == 3:
+            return self.head.compute_logits(out)
+        return self.target.compute_logits(out)
+
+    def propose(self, seqs: list[MirrorSeq], target_hidden: torch.Tensor | None
+                ) -> dict[int, list[int]]:
+        assert target_hidden is not None
+        features = self.target_features(target_hidden)
+        return self._run(seqs, lambda s: self._mirror(s, features), self._step)
+
+    def _forward(self, batch: list[ScheduledSeq], hidden_rows: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(for-logits [T, H], fed-back [T, H], each sequence's last row) of the head over
+        ``batch`` whose hidden inputs are ``hidden_rows`` (one tensor per sequence)."""
+        order = _layout(batch)
+        ordered = [batch[i] for i in order]
+        ids, positions, meta = build_metadata(ordered, self.block_size, self.device)
+        hidden = torch.cat([hidden_rows[i] for i in order])
+        out, feed = self.head(torch.tensor(ids, device=self.device),
+                              torch.tensor(positions, device=self.device), hidden,
+                              self.target.embed_tokens, self.kv_caches, meta)
+        last, at = [0] * len(batch), 0
+        for i, s in zip(order, ordered):
+            at += s.num_tokens
+            last[i] = at - 1
+        return out, feed, last
+
+    def _mirror(self, seqs: list[MirrorSeq], features: torch.Tensor
+                ) -> tuple[torch.Tensor, Any]:
+        """Head position i reads (token at i + 1, target feature at i): every final position
+        whose next token is known."""
+        batch, rows, kept = [], [], []
+        for s in seqs:
+            following = s.tokens[1:] + ([s.new_token] if s.new_token is not None else
+                                        [s.next_token] if s.next_token is not None else [])
+            if not following:
+                continue
+            n = len(following)
+            batch.append(_sched(s.seq_id, following, s.start_pos, s.block_table, 1))
+            rows.append(features[torch.tensor(s.target_rows[:n], device=self.device)])
+            kept.append(s)
+        if not batch:
+            return features[:0], None
+        out, feed, last = self._forward(batch, rows)
+        pick = [last[j] for j, s in enumerate(kept) if s.num_drafts > 0 and s.new_token is not None]
+        if not pick:
+            return features[:0], None
+        idx = torch.tensor(pick, device=self.device)
+        return self._logits(out[idx]), feed[idx]
+
+    def _step(self, tokens: torch.Tensor, positions: list[int], state: torch.Tensor,
+              drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
+        """One draft position: (draft token, the head's own previous output) at each drafting
+        sequence's next position (one before the drafted token's)."""
+        host = tokens.tolist()
+        batch = [_sched(s.seq_id, [t], p - 1, s.block_table, 1)
+                 for s, t, p in zip(drafting, host, positions)]
+        out, feed, last = self._forward(batch, list(state.split(1)))
+        idx = torch.tensor(last, device=self.device)
+        return self._logits(out[idx]), feed[idx]
