@@ -5,9 +5,10 @@ by the backend (``Backend.check_and_update_config``) and the worker's memory pro
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm import envs
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
@@ -144,6 +145,9 @@ class ParallelConfig:
     # contiguous layer stages, each a worker (or a TP group of workers); ranks are
     # pp_rank * tensor_parallel_size + tp_rank
     pipeline_parallel_size: int = 1
+    # layer counts per stage (vLLM's VLLM_PP_LAYER_PARTITION), summing to the model's layers
+    # (checked against the model in engine/config_validation.py); None: an even split
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -153,6 +157,22 @@ class ParallelConfig:
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                "distributed_executor_backend", self.distributed_executor_backend,
                "allowed values are 'uni', 'mp', 'ray' or None")
+        if self.pp_layer_partition is not None:
+            counts = self.pp_layer_partition
+            if isinstance(counts, str):  # "3,5" as the CLI and the old variable spell it
+                counts = [c.strip() for c in counts.split(",") if c.strip()]
+            try:
+                counts = tuple(int(c) for c in counts)
+            except (TypeError, ValueError):
+                counts = ()
+            _check(bool(counts) and all(c >= 1 for c in counts), "pp_layer_partition",
+                   self.pp_layer_partition, "must be layer counts, each an integer >= 1, one per "
+                   "pipeline stage (e.g. 3,5)")
+            _check(len(counts) == self.pipeline_parallel_size, "pp_layer_partition",
+                   self.pp_layer_partition, f"it names {len(counts)} stages but "
+                   f"pipeline_parallel_size={self.pipeline_parallel_size}; give one layer "
+                   "count per stage")
+            self.pp_layer_partition = counts
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         _check(self.world_size == 1 or self.distributed_executor_backend != "uni",
@@ -187,4 +207,4 @@ class EngineConfig:
             raise ValueError(f"guided_decoding_backend={self.guided_decoding_backend!r} is "
                              f"invalid: allowed: xgrammar, auto")
         if self.attention_backend is None:  # unset: $PAGEDLLM_ATTENTION_BACKEND, else the default
-            self.attention_backend = os.environ.get(ATTENTION_BACKEND_ENV, "").strip() or None
+            self.attention_backend = envs.PAGEDLLM_ATTENTION_BACKEND

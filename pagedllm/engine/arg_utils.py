@@ -65,8 +65,11 @@ class EngineArgs:
         "help": "Number of devices the model is sharded over."})
     pipeline_parallel_size: int = field(default=1, metadata={
         "help": "Number of pipeline stages: the model's layers split into this many contiguous "
-                "stages, one worker (or one tensor-parallel group) each; "
-                "PAGEDLLM_PP_LAYER_PARTITION=3,5 sets an uneven split."})
+                "stages, one worker (or one tensor-parallel group) each; --pp-layer-partition "
+                "sets an uneven split."})
+    pp_layer_partition: list[int] | None = field(default=None, metadata={
+        "help": "Layer counts of the pipeline stages, one per stage, summing to the model's "
+                "layers, e.g. 3,5 (vLLM's VLLM_PP_LAYER_PARTITION); default: an even split."})
     enforce_eager: bool = field(default=False, metadata={
         "help": "Run every step eagerly; capture no graphs (CUDA graphs, HPU graphs)."})
     load_format: str = field(default="auto", metadata={
@@ -141,6 +144,7 @@ class EngineArgs:
         sched.resolve(model.max_model_len)
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                   pipeline_parallel_size=self.pipeline_parallel_size,
+                                  pp_layer_partition=self.pp_layer_partition,
                                   distributed_executor_backend=self.distributed_executor_backend)
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel,
                             device=self.device, enforce_eager=self.enforce_eager,

@@ -5,6 +5,7 @@ backends without pipeline support are refused before any worker starts."""
 from __future__ import annotations
 
 import multiprocessing
+import re
 import types
 
 import pytest
@@ -14,8 +15,8 @@ from pagedllm import LLM
 from pagedllm.distributed.parallel_state import PPGroup
 from pagedllm.distributed.utils import verify_pipeline_parallel
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.models.layers.pipeline import (PP_LAYER_PARTITION_ENV, PPMissingLayer,
-                                             get_pp_indices, partition_layers)
+from pagedllm.config import ParallelConfig
+from pagedllm.models.layers.pipeline import PPMissingLayer, get_pp_indices, partition_layers
 from tp_utils import MAX_TOKENS, greedy
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,27 +35,34 @@ FEATURE_TOKENS = 20
     (2, 2, [1, 1]), (4, 2, [2, 2]), (3, 2, [2, 1]), (7, 3, [2, 3, 2]), (5, 4, [1, 1, 2, 1]),
     (5, 1, [5]),
 ])
-def test_even_split(layers: int, stages: int, counts: list[int], monkeypatch) -> None:
-    monkeypatch.delenv(PP_LAYER_PARTITION_ENV, raising=False)
+def test_even_split(layers: int, stages: int, counts: list[int]) -> None:
     assert partition_layers(layers, stages) == counts
     bounds = [get_pp_indices(layers, r, stages) for r in range(stages)]
     assert bounds[0][0] == 0 and bounds[-1][1] == layers
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no gap
 
 
-def test_partition_override(monkeypatch) -> None:
-    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "3, 1")
-    assert [get_pp_indices(4, r, 2) for r in range(2)] == [(0, 3), (3, 4)]
+def test_partition_override() -> None:
+    assert [get_pp_indices(4, r, 2, (3, 1)) for r in range(2)] == [(0, 3), (3, 4)]
+    assert ParallelConfig(pipeline_parallel_size=2, distributed_executor_backend="mp",
+                          pp_layer_partition="3, 1").pp_layer_partition == (3, 1)  # CLI spelling
 
 
-@pytest.mark.parametrize("raw,match", [
-    ("3,2", "covers 5 layers but the model has 4"), ("4", "names 1 stages"),
-    ("4,0", "each >= 1"), ("a,b", "comma-separated layer counts"),
+@pytest.mark.parametrize("counts,match", [
+    ([3, 2], "covers 5 layers but the model has 4"), ([4], "names 1 stages"),
+    ([4, 0], "each an integer >= 1"),
 ])
-def test_bad_partition_override(raw: str, match: str, monkeypatch) -> None:
-    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, raw)
-    with pytest.raises(ValueError, match=f"PAGEDLLM_PP_LAYER_PARTITION={raw!r}.*{match}"):
-        partition_layers(4, 2)
+def test_bad_partition_override(counts: list[int], match: str) -> None:
+    with pytest.raises(ValueError,
+                       match=re.escape(f"pp_layer_partition={counts!r} is invalid") + f".*{match}"):
+        partition_layers(4, 2, counts)
+
+
+@pytest.mark.parametrize("value,match", [("a,b", "each an integer >= 1"), ((4,), "names 1 stages"),
+                                         ((2, 0), "each an integer >= 1")])
+def test_bad_partition_argument(value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=f"pp_layer_partition=.* is invalid: .*{match}"):
+        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=value)
 
 
 def test_more_stages_than_layers() -> None:
@@ -100,14 +108,13 @@ def test_bad_sizes_are_refused_before_spawning(checkpoint_factory) -> None:
 
 # --- a stage holds only its layers --------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
-def test_stage_holds_only_its_layers(arch: str, checkpoint_factory, monkeypatch) -> None:
+def test_stage_holds_only_its_layers(arch: str, checkpoint_factory) -> None:
     """Stage 1 of 2 of a 3-layer model split 1,2: layers 1-2's weights and KV caches only, no
     embedding unless the LM head is tied to it; loading skips the other stage's tensors."""
     from pagedllm.backends.registry import resolve_backend
 
-    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
     config = EngineArgs(model=checkpoint_factory(arch, num_hidden_layers=3), device="cpu",
-                        dtype="float32", pipeline_parallel_size=2,
+                        dtype="float32", pipeline_parallel_size=2, pp_layer_partition=[1, 2],
                         num_gpu_blocks_override=8).create_engine_config()
     backend = resolve_backend("cpu")
     backend.check_and_update_config(config)
@@ -181,12 +188,11 @@ def test_pp2_with_chunked_prefill_prefix_caching_and_swap(arch: str, tp: int, ch
         engine.shutdown()
 
 
-def test_uneven_split_matches_pp1(checkpoint_factory, tp1_tokens, monkeypatch) -> None:
-    """PAGEDLLM_PP_LAYER_PARTITION reaches the worker processes."""
+def test_uneven_split_matches_pp1(checkpoint_factory, tp1_tokens) -> None:
+    """pp_layer_partition reaches the worker processes."""
     expected = tp1_tokens("llama", {"num_hidden_layers": 3})
-    monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "1,2")
     llm = LLM(checkpoint_factory("llama", num_hidden_layers=3), device="cpu", dtype="float32",
-              pipeline_parallel_size=2)
+              pipeline_parallel_size=2, pp_layer_partition=[1, 2])
     try:
         assert greedy(llm) == expected
     finally:

@@ -8,48 +8,42 @@ meaning on every stage. The first stage embeds the tokens, the last applies the 
 the LM head; between stages the model's ``forward`` returns (and takes) its intermediate tensors,
 a dict of ``[num_tokens, hidden]`` tensors (e.g. ``hidden_states`` and ``residual``).
 
-``PAGEDLLM_PP_LAYER_PARTITION`` (like vLLM's ``VLLM_PP_LAYER_PARTITION``) sets an uneven split:
-comma-separated layer counts, one per stage, summing to the number of layers ("3,5").
+The engine argument ``pp_layer_partition`` (vLLM's ``VLLM_PP_LAYER_PARTITION``) sets an uneven
+split: layer counts, one per stage, summing to the number of layers ("3,5").
 """
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"
 
-
-def parse_partition(raw: str, num_layers: int, pp_size: int) -> list[int]:
-    """Layer counts per stage from ``PAGEDLLM_PP_LAYER_PARTITION``; raises naming the variable."""
-    try:
-        counts = [int(part) for part in raw.split(",")]
-    except ValueError:
-        counts = []
-    where = f"{PP_LAYER_PARTITION_ENV}={raw!r}"
-    if not counts or any(c < 1 for c in counts):
-        raise ValueError(f"{where} is invalid: comma-separated layer counts, each >= 1, "
-                         f"one per pipeline stage (e.g. '3,5')")
+def check_partition(counts: Sequence[int], num_layers: int, pp_size: int) -> None:
+    """Refuse layer counts that do not split ``num_layers`` into ``pp_size`` stages, naming the
+    engine argument (engine/config_validation.py runs this before any worker starts)."""
+    where = f"pp_layer_partition={list(counts)!r}"
+    if not counts or any(not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"{where} is invalid: layer counts, each an integer >= 1, one per "
+                         f"pipeline stage (e.g. 3,5)")
     if len(counts) != pp_size:
-        raise ValueError(f"{where} names {len(counts)} stages but pipeline_parallel_size="
-                         f"{pp_size}; give one layer count per stage")
+        raise ValueError(f"{where} is invalid: it names {len(counts)} stages but "
+                         f"pipeline_parallel_size={pp_size}; give one layer count per stage")
     if sum(counts) != num_layers:
-        raise ValueError(f"{where} covers {sum(counts)} layers but the model has {num_layers}; "
-                         f"the counts must sum to {num_layers}")
-    return counts
+        raise ValueError(f"{where} is invalid: it covers {sum(counts)} layers but the model has "
+                         f"{num_layers}; the counts must sum to {num_layers}")
 
 
-def partition_layers(num_layers: int, pp_size: int) -> list[int]:
-    """Layer counts per stage: the environment's override, else an even split whose remainder
-    goes to the stages before the last (which also runs the LM head and the sampler)."""
-    raw = os.environ.get(PP_LAYER_PARTITION_ENV, "").strip()
+def partition_layers(num_layers: int, pp_size: int,
+                     partition: Sequence[int] | None = None) -> list[int]:
+    """Layer counts per stage: ``partition`` (checked) where given, else an even split whose
+    remainder goes to the stages before the last (which also runs the LM head and the sampler)."""
+    if partition:
+        check_partition(partition, num_layers, pp_size)
+        return list(partition)
     if pp_size == 1:
         return [num_layers]
-    if raw:
-        return parse_partition(raw, num_layers, pp_size)
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size={pp_size} is larger than the model's "
                          f"{num_layers} layers; every stage needs at least one layer")
@@ -60,9 +54,10 @@ def partition_layers(num_layers: int, pp_size: int) -> list[int]:
     return counts
 
 
-def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the layers stage ``pp_rank`` owns."""
-    counts = partition_layers(num_layers, pp_size)
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int,
+                   partition: Sequence[int] | None = None) -> tuple[int, int]:
+    """[start, end) of the layers stage ``pp_rank`` owns (``partition``: see partition_layers)."""
+    counts = partition_layers(num_layers, pp_size, partition)
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]
 
@@ -75,9 +70,11 @@ class PPMissingLayer(nn.Module):
 
 
 def make_layers(num_layers: int, build: Callable[[int], nn.Module], pp_rank: int = 0,
-                pp_size: int = 1) -> tuple[int, int, nn.ModuleList]:
-    """(start, end, layers): ``build(i)`` for the layers this stage owns, placeholders elsewhere."""
-    start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+                pp_size: int = 1, partition: Sequence[int] | None = None
+                ) -> tuple[int, int, nn.ModuleList]:
+    """(start, end, layers): ``build(i)`` for the layers this stage owns, placeholders elsewhere
+    (``partition``: the stages' layer counts, LayerContext.layer_partition; None: even)."""
+    start, end = get_pp_indices(num_layers, pp_rank, pp_size, partition)
     layers = nn.ModuleList([build(i) if start <= i < end else PPMissingLayer()
                             for i in range(num_layers)])
     return start, end, layers
