@@ -41,7 +41,7 @@ class EngineArgs:
         "help": "Most sequences scheduled in one step."})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "Most tokens scheduled in one step (default: max(max_model_len, 2048), or 2048 "
-                "with chunked prefill)."})
+                "with chunked prefill; on cpu 4096, with chunked prefill on)."})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "Use this many KV-cache blocks instead of sizing the cache from free memory."})
     kv_cache_space_gib: float | None = field(default=None, metadata={
@@ -52,7 +52,8 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=False, metadata={
         "help": "Reuse the KV-cache blocks of prompt prefixes shared between requests."})
     enable_chunked_prefill: bool = field(default=False, metadata={
-        "help": "Split long prompts over steps, batched with running decodes."})
+        "help": "Split long prompts over steps, batched with running decodes (on cpu it is on "
+                "whenever --max-num-batched-tokens is not given, as in vLLM's V1 engine)."})
     swap_space: float = field(default=4.0, metadata={
         "help": "Host memory in GiB per device for KV blocks swapped out by preemption."})
     preemption_mode: str | None = field(default=None, metadata={
