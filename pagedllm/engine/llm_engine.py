@@ -13,13 +13,13 @@ from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.config_validation import validate_config
 from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.base import make_executor
 from pagedllm.models.layers.attention import model_sliding_window
-from pagedllm.models.registry import check_model_supported
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,7 +51,7 @@ class LLMEngine:
         self.backend = resolve_backend(config.device)
         config.device = self.backend.name
         self.backend.check_and_update_config(config)
-        check_model_supported(config.model.hf_config, self.backend)  # before any loading
+        validate_config(config, self.backend)  # model, capabilities, parallel layout
         self.tokenizer = get_tokenizer(config.model.tokenizer)
         self.eos_token_ids = stop_token_ids_of(self.tokenizer, config.model.model)
         self.executor = make_executor(config, self.backend)

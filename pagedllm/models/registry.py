@@ -1,9 +1,10 @@
 """The model registry: Hugging Face ``architectures`` name -> model class + the attention features
 its checkpoints may need.
 
-The engine calls ``check_model_supported`` before loading: a model whose config turns on an
-attention feature (``Capabilities.attention_features``) that the chosen backend lacks is refused
-with the feature named, never run with wrong results.
+Before loading, the engine's configuration check (engine/config_validation.py) asks
+``missing_features``: a model whose config turns on an attention feature
+(``Capabilities.attention_features``) that the chosen backend lacks is refused with the feature
+named, never run with wrong results.
 """
 from __future__ import annotations
 
@@ -92,17 +93,3 @@ def model_class(arch: str) -> type[nn.Module]:
 def missing_features(arch: str, hf_config: Any, backend_features: Iterable[str]) -> list[str]:
     have = set(backend_features)
     return [f for f in MODEL_REGISTRY[arch].features_needed(hf_config) if f not in have]
-
-
-def check_model_supported(hf_config: Any, backend: Any) -> str:
-    """Resolve the architecture and refuse it if ``backend`` (a Backend or its class) lacks an
-    attention feature this config needs. Returns the architecture name."""
-    arch = resolve_architecture(hf_config)
-    missing = missing_features(arch, hf_config, backend.capabilities.attention_features)
-    if missing:
-        raise ValueError(
-            f"{arch} with this config needs the attention feature(s) {', '.join(missing)}, which "
-            f"the {backend.name} backend does not support (it declares attention_features="
-            f"{tuple(backend.capabilities.attention_features)}); run it on a backend that has "
-            f"them (see `pagedllm models`)")
-    return arch
