@@ -93,6 +93,9 @@ class DeviceProposer(ABC):
                 ) -> dict[int, list[int]]:
         """Mirror the step and draft: seq_id -> drafts for sequences with num_drafts > 0."""
 
+    def forget(self, seq_ids: list[int]) -> None:
+        """These sequences finished: drop what the proposer kept about them."""
+
     # --- shared driving loop ---------------------------------------------------------------
     def _run(self, seqs: list[MirrorSeq], first: Any, step: Any) -> dict[int, list[int]]:
         """``first(inputs) -> (logits of the drafting rows, state)`` runs the mirror pass;
@@ -192,6 +195,9 @@ class EagleProposer(DeviceProposer):
         self.aux: dict[int, torch.Tensor] = {}
         self.aux_ids: tuple[int, ...] = ()
         self._hooks: list[Any] = []
+        # seq_id -> (position, feature [1, H]) of a prompt chunk's last position, whose next
+        # token arrives with the next chunk
+        self._held: dict[int, tuple[int, torch.Tensor]] = {}
         if head.version == 3 and head.use_aux:
             layers = target.layers[target.start_layer:target.end_layer]
             self.aux_ids = head.aux_layers(len(layers))
@@ -264,16 +270,27 @@ class EagleProposer(DeviceProposer):
     def _mirror(self, seqs: list[MirrorSeq], features: torch.Tensor
                 ) -> tuple[torch.Tensor, Any]:
         """Head position i reads (token at i + 1, target feature at i): every final position
-        whose next token is known."""
+        whose next token is known. A prompt chunk's last position waits for the next chunk's
+        first token (its feature is kept until then)."""
         batch, rows, kept = [], [], []
         for s in seqs:
             following = s.tokens[1:] + ([s.new_token] if s.new_token is not None else
                                         [s.next_token] if s.next_token is not None else [])
+            start = s.start_pos
+            feats = features[torch.tensor(s.target_rows[:len(following)], device=self.device,
+                                          dtype=torch.int64)]
+            held = self._held.pop(s.seq_id, None)
+            if held is not None and held[0] == s.start_pos - 1:  # the previous chunk's last
+                following = [s.tokens[0]] + following
+                feats = torch.cat([held[1], feats])
+                start -= 1
+            if s.new_token is None and s.next_token is None:
+                self._held[s.seq_id] = (s.start_pos + len(s.tokens) - 1,
+                                        features[s.target_rows[-1]:s.target_rows[-1] + 1].clone())
             if not following:
                 continue
-            n = len(following)
-            batch.append(_sched(s.seq_id, following, s.start_pos, s.block_table, 1))
-            rows.append(features[torch.tensor(s.target_rows[:n], device=self.device)])
+            batch.append(_sched(s.seq_id, following, start, s.block_table, 1))
+            rows.append(feats)
             kept.append(s)
         if not batch:
             return features[:0], None
@@ -283,6 +300,10 @@ class EagleProposer(DeviceProposer):
             return features[:0], None
         idx = torch.tensor(pick, device=self.device)
         return self._logits(out[idx]), feed[idx]
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._held.pop(seq_id, None)
 
     def _step(self, tokens: torch.Tensor, positions: list[int], state: torch.Tensor,
               drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:

@@ -64,11 +64,26 @@ class SpecScheduler(Scheduler):
         # seq_id -> (len(seq) when proposed, drafts); valid only while the length is unchanged
         self._drafts: dict[int, tuple[int, list[int]]] = {}
 
-    def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+    def set_drafts(self, seq: Sequence, drafts: list[int], length: int | None = None) -> None:
+        """``seq`` carries ``drafts`` into the next schedule, if its length is then ``length``
+        (default: its length now)."""
         if drafts:
-            self._drafts[seq.seq_id] = (len(seq), list(drafts))
+            self._drafts[seq.seq_id] = (len(seq) if length is None else length, list(drafts))
         else:
             self._drafts.pop(seq.seq_id, None)
+
+    def carried_drafts(self) -> dict[int, list[int]]:
+        """seq_id -> the drafts set for the next schedule (valid or not)."""
+        return {seq_id: d for seq_id, (_, d) in self._drafts.items()}
+
+    def limit_drafts(self, seq: Sequence, limit: int) -> None:
+        """Keep at most ``limit`` of ``seq``'s drafts."""
+        entry = self._drafts.get(seq.seq_id)
+        if entry is not None:
+            if limit <= 0:
+                del self._drafts[seq.seq_id]
+            else:
+                self._drafts[seq.seq_id] = (entry[0], entry[1][:limit])
 
     def clear_drafts(self) -> None:
         self._drafts.clear()

@@ -1,0 +1,91 @@
+"""Speculative decoding's engine-side set-up, made once when the engine starts: the checks that
+need the target model, the backend and the parallel layout (each refusal names its field), the
+method of a config that named only a model, the shipped draft/head of the demo model, and the
+scheduler, block manager and stepper classes of the mode."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.scheduler import SpecBlockManager, SpecScheduler
+
+logger = logging.getLogger(__name__)
+
+# the demo model's shipped proposers: folders inside pagedllm/models/demo_model/
+DEMO_PROPOSERS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft"}
+
+
+def supports_multi_token_decode(backend: Any) -> bool:
+    """The backend's attention handles decode sequences of several query tokens (causal within,
+    over cached context): its declaration, else what prefix caching or chunked prefill imply
+    (the verification chunk runs on that path)."""
+    caps = backend.capabilities
+    declared = getattr(caps, "multi_token_decode", None)
+    if declared is not None:
+        return bool(declared)
+    return bool(caps.prefix_caching or caps.chunked_prefill)
+
+
+def demo_proposer_path(method: str, target: str) -> str | None:
+    """The shipped draft/head folder for ``method`` when the target is the demo model."""
+    from pagedllm.models.demo import DEMO_DIR
+
+    try:
+        same = os.path.samefile(target, DEMO_DIR)
+    except OSError:
+        same = False
+    if not same or method not in DEMO_PROPOSERS:
+        return None
+    return os.path.join(DEMO_DIR, DEMO_PROPOSERS[method])
+
+
+class SpeculativeDecoding:
+    """Checks and resolves ``config.speculative_config`` against the engine (in place)."""
+
+    def __init__(self, config: EngineConfig, backend: Any) -> None:
+        spec: SpeculativeConfig = config.speculative_config
+        self.config = config
+        self.spec = spec
+        if not supports_multi_token_decode(backend):
+            raise ValueError(
+                f"speculative_config is not supported by the {backend.name} backend: "
+                "verification needs attention over decode sequences with more than one query "
+                "token (Capabilities.multi_token_decode), which it does not declare")
+        p = config.parallel
+        for name, value in (("tensor_parallel_size", p.tensor_parallel_size),
+                            ("pipeline_parallel_size", p.pipeline_parallel_size)):
+            if value != 1:
+                raise ValueError(f"speculative_config with {name}={value} is not supported yet;"
+                                 f" use {name}=1")
+        if spec.method != "ngram" and spec.model is None:
+            path = demo_proposer_path(spec.method or "", config.model.model)
+            if path is None:
+                raise ValueError(f"speculative_config.model is required for method "
+                                 f"{spec.method!r} (a local draft or head folder); only "
+                                 "pagedllm-demo ships one")
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ValueError(f"speculative_config: the demo model's {spec.method} proposer "
+                                 f"is not in {path}; train it with `python "
+                                 "tools/train_draft_model.py` or give speculative_config.model")
+            spec.model = path
+        if spec.method != "ngram":
+            from pagedllm.spec_decode.loading import check_draft_config, resolve_method
+
+            if not os.path.isdir(spec.model or ""):
+                raise ValueError(f"speculative_config.model={spec.model!r} is not a local "
+                                 "folder")
+            spec.method = resolve_method(spec)
+            check_draft_config(spec, config)
+        logger.info("speculative decoding: %s", spec.describe())
+
+    scheduler_cls = SpecScheduler
+    block_manager_cls = SpecBlockManager
+
+    def make_stepper(self, schedulers: list, executor: Any, guided: Any) -> Any:
+        from pagedllm.engine.steppers.speculative import SpecStepper
+
+        return SpecStepper(schedulers, executor, guided, speculative_config=self.spec,
+                           max_model_len=self.config.model.max_model_len)

@@ -1,0 +1,133 @@
+"""The speculative stepper: each step, decoding sequences carry drafts (n-gram on the host
+before scheduling, or the device proposer's from the previous step), the scheduler builds the
+verification batch (k + 1 query tokens per such sequence, beside prompts and plain decodes),
+the workers verify with the rejection sampler and propose again; after the step the rejected
+drafts' slots are released and the accepted tokens count as computed.
+
+A guard (spec_decode/guard.py) decides per step whether to speculate: ``disable_by_batch_size``
+or, unset, the measured faster of the two modes at this batch size.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.steppers.base import StepDone, Stepper
+from pagedllm.spec_decode.guard import SpecGuard
+from pagedllm.spec_decode.metrics import SpecDecodeMetrics
+from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.scheduler import SpecBlockManager, SpecScheduler, accept
+
+if TYPE_CHECKING:
+    from pagedllm.core.batch import SeqOutput
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def can_speculate(group: SequenceGroup) -> bool:
+    """Whether a request's decodes may carry drafts: not guided (its grammar advances over
+    sampled tokens only) and past its first sample (forks, prompt logprobs)."""
+    params = group.sampling_params
+    return (params.guided_decoding is None and (group.forked or params.best_of == 1)
+            and not group.wants_prompt_logprobs())
+
+
+class SpecStepper(Stepper):
+    def __init__(self, *args: object, speculative_config: SpeculativeConfig,
+                 max_model_len: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        spec = speculative_config
+        assert isinstance(self.scheduler, SpecScheduler)
+        assert isinstance(self.scheduler.block_manager, SpecBlockManager)
+        self.k = int(spec.num_speculative_tokens)  # type: ignore[arg-type]
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer(spec) if spec.method == "ngram" else None
+        self.guard = SpecGuard(spec.disable_by_batch_size)
+        self.metrics = SpecDecodeMetrics()
+
+    # --- limits ----------------------------------------------------------------------------
+    def _room(self, group: SequenceGroup, seq: Sequence, length: int) -> int:
+        """Drafts a sequence of ``length`` tokens may verify: all of them plus the bonus token
+        fit max_tokens and the model length."""
+        params = group.sampling_params
+        room = self.max_model_len - length - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - (length - seq.prompt_len) - 1)
+        return max(0, min(self.k, room))
+
+    def _running(self) -> list[tuple[SequenceGroup, Sequence]]:
+        return [(g, s) for g in self.scheduler.running
+                for s in g.get_seqs(SequenceStatus.RUNNING)]
+
+    # --- the step --------------------------------------------------------------------------
+    def step(self) -> StepDone:
+        sch: SpecScheduler = self.scheduler  # type: ignore[assignment]
+        running = self._running()
+        start = time.perf_counter()
+        speculate = self.guard.speculate(len(running))
+        if not speculate:
+            sch.clear_drafts()
+        else:
+            for group, seq in running:
+                if not can_speculate(group):
+                    sch.set_drafts(seq, [])
+                elif self.ngram is not None:
+                    if seq.num_uncomputed_tokens == 1:
+                        sch.set_drafts(seq, self.ngram.propose(seq.token_ids,
+                                                               self._room(group, seq, len(seq))))
+                else:
+                    sch.limit_drafts(seq, self._room(group, seq, len(seq)))
+        sched = sch.schedule()
+        outputs: list[SeqOutput] = []
+        if not sched.batch.is_empty():
+            if self.ngram is None and speculate:
+                self._reserve_lookahead(sched)
+            self._prepare(sched)
+            outputs = self.executor.execute(sched.batch)
+            self._after(sched, outputs)
+            self._measure(sched, outputs, time.perf_counter() - start, len(running))
+        sch.after_step(sched)
+        return StepDone(sch, sched, outputs)
+
+    def _reserve_lookahead(self, sched: SchedulerOutput) -> None:
+        """Slots for the drafts the device proposer makes after this step (it writes their KV
+        while drafting); a sequence gets none when the cache is short of free blocks."""
+        bm: SpecBlockManager = self.scheduler.block_manager  # type: ignore[assignment]
+        for s, (group, seq) in zip(sched.batch.seqs, sched.entries):
+            if s.num_samples == 0 or not can_speculate(group):
+                continue
+            end = s.start_pos + s.num_tokens  # the sampled token's position, at the latest
+            d = max(0, min(self.k, self.max_model_len - end - 1))
+            if d and bm.reserve_lookahead(seq, end + d):
+                s.num_lookahead = d
+
+    def _after(self, sched: SchedulerOutput, outputs: list[SeqOutput]) -> None:
+        """Rejected drafts are not computed; every slot past the computed tokens (rejected
+        drafts, lookahead) goes back before a fork could share it; the proposer's drafts are
+        carried into the next step (for the length the sequence will have)."""
+        sch: SpecScheduler = self.scheduler  # type: ignore[assignment]
+        bm: SpecBlockManager = sch.block_manager  # type: ignore[assignment]
+        for s, (group, seq), out in zip(sched.batch.seqs, sched.entries, outputs):
+            if s.num_spec_tokens and out.samples:
+                self.metrics.record(s.num_spec_tokens,
+                                    accept(seq, s.num_spec_tokens, len(out.samples)))
+            bm.trim(seq)
+            if out.spec_token_ids and out.samples:
+                sch.set_drafts(seq, out.spec_token_ids, length=len(seq) + len(out.samples))
+
+    def _measure(self, sched: SchedulerOutput, outputs: list[SeqOutput], seconds: float,
+                 batch_size: int) -> None:
+        """Steps of decodes only feed the guard (a prompt's prefill would swamp them)."""
+        verified = any(s.num_spec_tokens for s in sched.batch.seqs)
+        if verified:
+            self.metrics.num_spec_steps += 1
+        else:
+            self.metrics.num_plain_steps += 1
+        if any(s.num_tokens - s.num_spec_tokens > 1 for s in sched.batch.seqs):
+            return
+        tokens = sum(len(o.samples) for o in outputs)
+        self.guard.record(batch_size, verified, tokens, seconds)
