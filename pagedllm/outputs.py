@@ -78,11 +78,14 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step: cumulative text and tokens so far."""
+    """One request after an engine step. With ``RequestOutputKind.CUMULATIVE`` (the default)
+    each output holds all of the text and tokens so far; with ``DELTA`` only what is new since
+    the request's previous output (the prompt fields then come in the first output only, as in
+    vLLM); with ``FINAL_ONLY`` there is one output, at the end."""
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool

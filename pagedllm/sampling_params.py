@@ -18,10 +18,11 @@ class SamplingType(IntEnum):
 
 
 class RequestOutputKind(IntEnum):
-    """Which RequestOutputs a request produces (vLLM's names): one after every step with all of
-    the text so far (streaming), or only the last one (offline generation: ``LLM.generate``)."""
+    """Which RequestOutputs a request produces (vLLM's names): after every step, all of the text
+    and tokens so far (CUMULATIVE) or only what is new since the previous output (DELTA: what a
+    server streams); or only the last one (FINAL_ONLY: offline generation, ``LLM.generate``)."""
     CUMULATIVE = 0
-    DELTA = 1  # vLLM's delta outputs; not implemented here (rejected by validation)
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -200,9 +201,12 @@ class SamplingParams:
         if self.timeout_seconds is not None and (not is_num(self.timeout_seconds)
                                                  or self.timeout_seconds <= 0):
             _fail("timeout_seconds", self.timeout_seconds, "must be a number > 0 or None")
-        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
-            _fail("output_kind", self.output_kind,
-                  "allowed: RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY")
+        if self.output_kind not in tuple(RequestOutputKind):
+            _fail("output_kind", self.output_kind, "allowed: RequestOutputKind.CUMULATIVE, "
+                  "RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY")
+        if self.output_kind == RequestOutputKind.DELTA and self.best_of != self.n:
+            _fail("output_kind", self.output_kind, f"DELTA needs best_of == n (best_of="
+                  f"{self.best_of}, n={self.n}): the best n sequences are known only at the end")
         if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY and self.best_of != self.n:
             _fail("best_of", self.best_of, "must equal n when sampling greedily (temperature=0)")
         self._verify_logits_controls(is_int, is_num)

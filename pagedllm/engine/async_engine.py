@@ -13,6 +13,7 @@ routing outputs, metrics listeners); the server's engine-process client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from typing import Any
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class ModelInfo:
 class AsyncStream:
     """The outputs of one request, fed by the engine loop and read by one async iterator.
 
-    Outputs are cumulative (like vLLM). Iteration ends after the finished output; an engine error
+    Outputs are what the request's ``SamplingParams.output_kind`` asks for: cumulative (the
+    default, as vLLM), deltas or the final one only. Iteration ends after the finished output; an engine error
     is raised from ``__anext__``. ``abort()`` is the consumer walking away (client disconnect): the
     request is aborted in the engine and nothing more is delivered.
     """
@@ -172,7 +174,8 @@ class AsyncEngineBase:
         """Validate and queue a request; returns the stream of its outputs.
 
         Raises ValueError for a bad prompt or a request id in use, EngineDeadError when dead.
-        With ``final_only`` only the finished output is delivered.
+        With ``final_only`` only the finished output is delivered (the engine builds no other:
+        the request runs as ``RequestOutputKind.FINAL_ONLY``).
         """
         self._raise_if_dead()
         if self._stopping:
@@ -187,6 +190,8 @@ class AsyncEngineBase:
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         params = params if params is not None else SamplingParams()
+        if final_only and params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = AsyncStream(request_id, self._abort_nowait, final_only=final_only)
         self._streams[request_id] = stream
         self._send_add(dict(request_id=request_id, params=params, priority=priority,
@@ -211,7 +216,8 @@ class AsyncEngineBase:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
                        request_id: str, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's cumulative outputs; closing or cancelling the generator aborts it."""
+        """Stream the request's outputs (cumulative by default; ``output_kind`` DELTA streams only
+        what is new); closing or cancelling the generator aborts it."""
         stream = await self.add_request(request_id, prompt, sampling_params, priority)
         try:
             async for out in stream:

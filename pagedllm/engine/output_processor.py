@@ -1,4 +1,6 @@
-"""Applies a step's samples to sequences (fork, detokenize, stop) and builds RequestOutputs."""
+"""Applies a step's samples to sequences (fork, detokenize, stop) and builds RequestOutputs:
+cumulative (everything so far), deltas (what is new since the request's last output) or the final
+one only, as each request's ``SamplingParams.output_kind`` asks."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.detokenizer import Detokenizer
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ForkFn = Callable[[SequenceGroup, Sequence, int], Sequence]
 
@@ -20,6 +22,8 @@ class OutputProcessor:
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        # DELTA requests: request id -> completion index -> (tokens, characters) reported so far
+        self._reported: dict[str, dict[int, tuple[int, int]]] = {}
 
     def start(self, seq: Sequence, params: SamplingParams) -> None:
         self.detokenizer.start(seq, params.skip_special_tokens)
@@ -67,6 +71,8 @@ class OutputProcessor:
         check_stop(seq, params, len(new_text), self.eos_ids, self.max_model_len)
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
+        """The request's output now. DELTA: only the tokens, logprobs and text not reported
+        before (O(new tokens)), and the prompt fields in the first output only (as vLLM)."""
         params = group.sampling_params
         seqs = sorted(group.seqs, key=lambda s: s.index)
         if params.best_of > params.n:  # type: ignore[operator]
@@ -79,18 +85,38 @@ class OutputProcessor:
             seqs = seqs * params.n
         if finished and group.metrics is not None and group.metrics.finished_time is None:
             group.metrics.finished_time = time.time()
+        delta = params.output_kind == RequestOutputKind.DELTA
+        reported = self._reported.get(group.request_id) if delta else None
+        first = reported is None
+        if delta and first:
+            reported = self._reported[group.request_id] = {}
         holdback = max(0, params.max_stop_len - 1)
+        want_logprobs = params.logprobs is not None
         completions = []
         for i, seq in enumerate(seqs):
             text = seq.output_text
-            if holdback and not seq.is_finished():
-                text = text[: max(0, len(text) - holdback)]
+            # text that a stop string may still take back is not shown before the end
+            shown = len(text) if not holdback or seq.is_finished() else max(0, len(text) - holdback)
+            if reported is not None:  # DELTA (best_of == n: index i is always the same sequence)
+                tokens, chars = reported.get(i, (0, 0))
+                token_ids = seq.token_ids[seq.prompt_len + tokens:]
+                logprobs = seq.output_logprobs[tokens:] if want_logprobs else None
+                reported[i] = (tokens + len(token_ids), max(chars, shown))
+                text = text[chars:shown]
+            else:
+                token_ids = seq.output_token_ids
+                logprobs = list(seq.output_logprobs) if want_logprobs else None
+                text = text[:shown]
             completions.append(CompletionOutput(
-                index=i, text=text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                index=i, text=text, token_ids=token_ids,
+                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                             prompt_token_ids=group.prompt_token_ids,
-                             prompt_logprobs=group.prompt_logprobs if params.prompt_logprobs is not None else None,
-                             outputs=completions, finished=finished, metrics=group.metrics)
+        if finished:
+            self._reported.pop(group.request_id, None)
+        with_prompt = first  # a DELTA request's later outputs leave the prompt out
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt if with_prompt else None,
+            prompt_token_ids=group.prompt_token_ids if with_prompt else None,
+            prompt_logprobs=(group.prompt_logprobs
+                             if with_prompt and params.prompt_logprobs is not None else None),
+            outputs=completions, finished=finished, metrics=group.metrics)

@@ -54,6 +54,21 @@ def test_generate_streams_cumulative_outputs(engine: AsyncLLMEngine) -> None:
     assert engine.is_running is False  # asyncio.run's loop is gone
 
 
+def test_generate_streams_delta_outputs(engine: AsyncLLMEngine) -> None:
+    from pagedllm import RequestOutputKind
+
+    async def main(kind: RequestOutputKind) -> list:
+        return [out async for out in engine.generate("hello", params(6, output_kind=kind),
+                                                     kind.name)]
+
+    cum, delta = asyncio.run(main(RequestOutputKind.CUMULATIVE)), asyncio.run(
+        main(RequestOutputKind.DELTA))
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1] * 6
+    assert sum((o.outputs[0].token_ids for o in delta), []) == cum[-1].outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in delta) == cum[-1].outputs[0].text
+    assert delta[-1].finished and delta[-1].outputs[0].finish_reason == "length"
+
+
 def test_concurrent_requests_and_blocks_freed(engine: AsyncLLMEngine) -> None:
     async def one(i: int) -> int:
         last = None

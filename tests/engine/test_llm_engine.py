@@ -159,6 +159,63 @@ def test_final_only_requests_report_once_and_match_cumulative(llm: LLM) -> None:
     assert final.finished and final.outputs[0].finish_reason == "length"
     assert final.outputs[0].token_ids == seen["CUMULATIVE"][-1].outputs[0].token_ids
     assert final.outputs[0].text == seen["CUMULATIVE"][-1].outputs[0].text
-    with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind=RequestOutputKind.DELTA)
     assert_drained(engine)
+
+
+def _joined(outs: list[RequestOutput], index: int) -> tuple[str, list[int], list]:
+    text, ids, lps = "", [], []
+    for o in outs:
+        c = next(c for c in o.outputs if c.index == index)
+        text, ids, lps = text + c.text, ids + c.token_ids, lps + (c.logprobs or [])
+    return text, ids, lps
+
+
+@pytest.mark.parametrize("extra", [
+    dict(n=1),
+    dict(n=3, temperature=1.0, seed=7, logprobs=2),  # forks; per-token logprobs
+    dict(n=1, stop=["e", "zzzz"]),  # text held back (3 characters), cut at the stop string
+])
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM, extra: dict) -> None:
+    from pagedllm import RequestOutputKind
+
+    engine = llm.llm_engine
+    prompt = {"prompt": "hello there", "prompt_token_ids": [5, 6, 7, 8, 9]}
+    base = dict(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    base.update(extra)
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        engine.add_request(kind.name, prompt, SamplingParams(output_kind=kind, **base))
+    seen: dict[str, list[RequestOutput]] = {"CUMULATIVE": [], "DELTA": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    cum, delta = seen["CUMULATIVE"], seen["DELTA"]
+    assert len(cum) == len(delta) and delta[-1].finished and not any(o.finished for o in delta[:-1])
+    final = cum[-1]
+    for c in final.outputs:
+        text, ids, lps = _joined(delta, c.index)
+        assert (text, ids) == (c.text, c.token_ids) and c.token_ids
+        assert lps == (c.logprobs or [])
+        assert delta[-1].outputs[c.index].finish_reason == c.finish_reason
+        assert delta[-1].outputs[c.index].cumulative_logprob == c.cumulative_logprob
+    # what each delta adds is exactly what the cumulative output of the same step added
+    for before, after, d in zip([None, *cum], cum, delta):
+        for c, dc in zip(after.outputs, d.outputs):
+            prev = before.outputs[c.index] if before is not None else None
+            assert dc.token_ids == c.token_ids[len(prev.token_ids) if prev else 0:]
+            assert dc.text == c.text[len(prev.text) if prev else 0:]
+    # the prompt fields come with the first delta only (as vLLM)
+    assert delta[0].prompt_token_ids == [5, 6, 7, 8, 9] and delta[0].prompt == "hello there"
+    assert delta[0].prompt_logprobs == final.prompt_logprobs
+    assert all(o.prompt_token_ids is None and o.prompt_logprobs is None for o in delta[1:])
+    assert_drained(engine)
+    assert not engine.output_processor._reported  # nothing is kept after a request finishes
+
+
+def test_delta_is_validated() -> None:
+    from pagedllm import RequestOutputKind
+
+    SamplingParams(output_kind=RequestOutputKind.DELTA, n=2)
+    with pytest.raises(ValueError, match=r"output_kind.*best_of == n.*best_of=3, n=2"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA, n=2, best_of=3, temperature=1.0)
+    with pytest.raises(ValueError, match="output_kind.*allowed"):
+        SamplingParams(output_kind=7)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ BAD_COMPLETIONS = [
     ({"n": 17}, "n"),
     ({"best_of": 17, "n": 1}, "best_of"),
     ({"best_of": 1, "n": 2}, "best_of"),
+    ({"best_of": 3, "n": 2, "stream": True}, "best_of"),  # as OpenAI: best_of is not streamed
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -5}, "max_tokens"),
     ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),

@@ -4,7 +4,10 @@ The HTTP event loop and the engine's step loop share no GIL this way: in one pro
 per-token work (SSE chunks, socket writes) stalls the step thread each time it needs the GIL,
 which cost a third of decode throughput at 32 streams (bench99m, cpu). The engine process runs
 ``step()`` on its main thread (as pagedllm.LLM does) and sends, per step, the new tokens and text
-of each request; MPEngineClient rebuilds cumulative RequestOutputs and routes them to streams.
+of each request: the engine runs streamed requests as ``RequestOutputKind.DELTA``, so the engine,
+the pipe and the client each do O(new tokens) per request and step. MPEngineClient hands the
+deltas on as they are (DELTA, FINAL_ONLY) and rebuilds cumulative outputs only for a consumer
+that asked for CUMULATIVE.
 
 Messages, engine -> client: ("ready", ModelInfo, EngineStats) | ("failed", message) |
 ("step", EngineStats, [delta, ...]) | ("error", request_id, message) | ("dead", message).
@@ -13,6 +16,7 @@ Client -> engine: ("ops", [("add", kwargs) | ("abort", request_id), ...]) | ("sh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -26,43 +30,29 @@ from pagedllm.logger import configure_logging
 from pagedllm.engine.async_engine import (AsyncEngineBase, EngineDeadError, ModelInfo,
                                           base_engine_args)
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_S = 5.0  # the engine stops after its current step; a longer wait means it hangs
 
-# (index, new text, new token ids, new logprobs | None, cumulative logprob, finish, stop reason)
+# (index, text, token ids, logprobs | None, cumulative logprob, finish, stop reason): what is new
+# since the request's previous message (whole for a FINAL_ONLY or CUMULATIVE best_of > n request)
 ChoiceDelta = tuple[int, str, list[int], list | None, float | None, str | None, Any]
 # (request id, finished, metrics, prompt logprobs (first message only), choices)
 Delta = tuple[str, bool, tuple, list | None, list[ChoiceDelta]]
 
 
 # --- the engine process ----------------------------------------------------------------------
-class _DeltaEncoder:
-    """What each request's client has not seen yet (the engine's outputs are cumulative)."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # id -> index -> (chars, tokens)
-
-    def encode(self, out: RequestOutput) -> Delta:
-        sent = self._sent.get(out.request_id)
-        first = sent is None
-        if first:
-            sent = self._sent[out.request_id] = {}
-        choices = []
-        for c in out.outputs:
-            chars, tokens = sent.get(c.index, (0, 0))
-            choices.append((c.index, c.text[chars:], c.token_ids[tokens:],
-                            c.logprobs[tokens:] if c.logprobs is not None else None,
-                            c.cumulative_logprob, c.finish_reason, c.stop_reason))
-            sent[c.index] = (max(chars, len(c.text)), len(c.token_ids))
-        if out.finished:
-            del self._sent[out.request_id]
-        m = out.metrics
-        metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                   m.finished_time) if m is not None else ()
-        return (out.request_id, out.finished, metrics,
-                out.prompt_logprobs if first else None, choices)
+def encode_delta(out: RequestOutput) -> Delta:
+    """A RequestOutput as plain tuples for the pipe (the client has the prompt; a DELTA request's
+    prompt logprobs come with its first output only)."""
+    m = out.metrics
+    metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+               m.finished_time) if m is not None else ()
+    choices = [(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
+                c.stop_reason) for c in out.outputs]
+    return (out.request_id, out.finished, metrics, out.prompt_logprobs, choices)
 
 
 def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
@@ -85,7 +75,6 @@ def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
     model = engine.config.model
     conn.send(("ready", ModelInfo(model.max_model_len, model.get_vocab_size(), model.tokenizer),
                engine.stats()))
-    encoder = _DeltaEncoder()
     try:
         while True:
             if not _apply_messages(engine, conn, block=not engine.has_unfinished_requests()):
@@ -95,7 +84,7 @@ def engine_main(engine_args: EngineArgs, conn: Connection) -> None:
                 if out.error is not None:
                     conn.send(("error", out.request_id, out.error))
             conn.send(("step", engine.stats(),
-                       [encoder.encode(o) for o in outputs if o.error is None]))
+                       [encode_delta(o) for o in outputs if o.error is None]))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the server is gone
     except Exception as exc:  # noqa: BLE001 - a failed step: tell the server, then exit
@@ -126,30 +115,46 @@ def _apply_messages(engine: Any, conn: Connection, block: bool) -> bool:
 
 
 # --- the client, in the server process -------------------------------------------------------
-class _Accumulator:
-    """One request's cumulative state, rebuilt from deltas."""
+class _Request:
+    """What the client keeps of one request: its prompt and, where the consumer asked for
+    CUMULATIVE outputs and the engine sends deltas, the outputs so far."""
 
-    def __init__(self, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int], accumulate: bool,
+                 prompt_every_time: bool) -> None:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.accumulate = accumulate
+        self.prompt_every_time = prompt_every_time  # the consumer's outputs are not deltas
+        self.first = True
         self.prompt_logprobs: list | None = None
-        self.choices: dict[int, list[Any]] = {}  # index -> [text, ids, logprobs, cum, finish, stop]
+        self.choices: dict[int, list[Any]] = {}  # index -> [text, ids, logprobs] (cumulative)
 
     def apply(self, request_id: str, delta: Delta) -> RequestOutput:
         _, finished, metrics, prompt_logprobs, choices = delta
-        if prompt_logprobs is not None:
+        first, self.first = self.first, False
+        if self.accumulate:
+            return self._accumulate(request_id, delta, first)
+        outputs = [CompletionOutput(index, text, ids, cum, logprobs, finish, stop)
+                   for index, text, ids, logprobs, cum, finish, stop in choices]
+        with_prompt = first or self.prompt_every_time
+        return RequestOutput(request_id, self.prompt if with_prompt else None,
+                             self.prompt_token_ids if with_prompt else None, prompt_logprobs,
+                             outputs, finished,
+                             metrics=RequestMetrics(*metrics) if metrics else None)
+
+    def _accumulate(self, request_id: str, delta: Delta, first: bool) -> RequestOutput:
+        _, finished, metrics, prompt_logprobs, choices = delta
+        if first:
             self.prompt_logprobs = prompt_logprobs
         outputs = []
         for index, text, ids, logprobs, cum, finish, stop in choices:
             state = self.choices.get(index)
             if state is None:
-                state = self.choices[index] = ["", [], None if logprobs is None else [], 0.0, None,
-                                               None]
+                state = self.choices[index] = ["", [], None if logprobs is None else []]
             state[0] += text
             state[1] = state[1] + ids  # a new list: earlier outputs stay as they were
             if logprobs is not None:
                 state[2] = state[2] + logprobs
-            state[3:6] = [cum, finish, stop]
             outputs.append(CompletionOutput(index, state[0], state[1], cum, state[2], finish, stop))
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
                              outputs, finished,
@@ -160,11 +165,17 @@ class MPEngineClient(AsyncEngineBase):
     """AsyncEngineBase over an engine process; the in-process AsyncLLMEngine's API."""
 
     def __init__(self, engine_args: EngineArgs, startup_timeout: float = 3600.0) -> None:
+        from pagedllm.entrypoints.openai.lifecycle import engine_process_main, stop_at_exit
+
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=engine_main, args=(base_engine_args(engine_args), child),
-                                 name="pagedllm-engine", daemon=True)
+        # not daemonic: a daemonic process may not start TP/PP workers (lifecycle.py says what
+        # ends it instead)
+        self._proc = ctx.Process(target=engine_process_main,
+                                 args=(base_engine_args(engine_args), child),
+                                 name="pagedllm-engine", daemon=False)
         self._proc.start()
+        stop_at_exit(self._proc)
         child.close()
         message = self._receive_startup(startup_timeout)
         if message[0] != "ready":
@@ -176,7 +187,7 @@ class MPEngineClient(AsyncEngineBase):
         super().__init__(get_tokenizer(info.tokenizer), info, stats,
                          log_requests=not getattr(engine_args, "disable_log_requests", False))
         self._vocab = info.vocab_size
-        self._accumulators: dict[str, _Accumulator] = {}
+        self._requests: dict[str, _Request] = {}
         self._ops: list[tuple[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False
@@ -227,9 +238,17 @@ class MPEngineClient(AsyncEngineBase):
 
     # --- moving ops and outputs ------------------------------------------------------------
     def _send_add(self, request: dict[str, Any]) -> None:
-        prompt = request["prompt"]
-        self._accumulators[request["request_id"]] = _Accumulator(prompt["prompt"],
-                                                                 prompt["prompt_token_ids"])
+        prompt, params = request["prompt"], request["params"]
+        kind = params.output_kind
+        # a CUMULATIVE consumer: the engine sends deltas and this client rebuilds the outputs
+        # (but best_of > n: the best n are known only at the end, so they come whole)
+        accumulate = kind == RequestOutputKind.CUMULATIVE and params.best_of == params.n
+        if accumulate:
+            request = {**request, "params": dataclasses.replace(
+                params, output_kind=RequestOutputKind.DELTA)}
+        self._requests[request["request_id"]] = _Request(
+            prompt["prompt"], prompt["prompt_token_ids"], accumulate,
+            prompt_every_time=kind != RequestOutputKind.DELTA)
         self._queue_op(("add", request))
 
     def _send_abort(self, request_id: str) -> None:
@@ -261,15 +280,15 @@ class MPEngineClient(AsyncEngineBase):
             _, stats, deltas = message
             outputs = []
             for delta in deltas:
-                acc = self._accumulators.get(delta[0])
-                if acc is None:
+                request = self._requests.get(delta[0])
+                if request is None:
                     continue
-                outputs.append(acc.apply(delta[0], delta))
+                outputs.append(request.apply(delta[0], delta))
                 if delta[1]:
-                    del self._accumulators[delta[0]]
+                    del self._requests[delta[0]]
             self._dispatch(outputs, stats)
         elif kind == "error":
-            self._accumulators.pop(message[1], None)
+            self._requests.pop(message[1], None)
             self._fail_request(message[1], ValueError(message[2]))
         elif kind == "dead":
             logger.error("the engine process failed: %s", message[1])

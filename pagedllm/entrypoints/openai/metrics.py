@@ -55,7 +55,8 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=reg)
         self._model_name = model_name
         self._seen_preemptions = 0
-        self._tokens: dict[str, int] = {}  # request id -> output tokens counted so far
+        # request id -> output tokens of each choice so far
+        self._tokens: dict[str, list[int]] = {}
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         self.running.set(stats.num_running)
@@ -71,19 +72,22 @@ class ServerMetrics:
             self._on_output(out)
 
     def _on_output(self, out: RequestOutput) -> None:
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        before = self._tokens.get(out.request_id)
+        """The server's outputs are deltas (streamed requests) or the one final output (the
+        rest): either way an output's tokens are new."""
+        new = [len(c.token_ids) for c in out.outputs]
+        counts = self._tokens.get(out.request_id)
         m = out.metrics
-        if before is None:
-            before = 0
-            if num_tokens:
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if counts is None:
+            counts = [0] * len(new)
+            if sum(new):
+                self.prompt_tokens.inc(len(out.prompt_token_ids or ()))
                 if m is not None and m.first_token_time is not None:
                     self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-        if num_tokens > before:
-            self.generation_tokens.inc(num_tokens - before)
+        if sum(new):
+            self.generation_tokens.inc(sum(new))
+        counts = [a + b for a, b in zip(counts, new)] + new[len(counts):]
         if not out.finished:
-            self._tokens[out.request_id] = num_tokens
+            self._tokens[out.request_id] = counts
             return
         self._tokens.pop(out.request_id, None)
         reason = out.outputs[0].finish_reason if out.outputs else "abort"
@@ -91,7 +95,7 @@ class ServerMetrics:
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
-        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        longest = max(counts, default=0)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.observe(max(0.0, m.last_token_time - m.first_token_time) / (longest - 1))
 

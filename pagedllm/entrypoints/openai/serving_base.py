@@ -3,6 +3,7 @@ adding requests to the engine, and waiting for results while watching for a clie
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -23,7 +24,7 @@ from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from pagedllm.entrypoints.openai.sse import SSEResponse
 from pagedllm.entrypoints.openai.structured import guided_decoding, logit_bias
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams
+from pagedllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +221,15 @@ class ServingContext:
     async def add_requests(self, request_id: str, prompts: list[Prompt],
                            params: list[SamplingParams], final_only: bool,
                            prompt_param: str = "prompt") -> list[AsyncStream]:
-        """One engine request per prompt (``{request_id}-{i}`` when batched); all or none."""
+        """One engine request per prompt (``{request_id}-{i}`` when batched); all or none.
+        Streamed requests run as RequestOutputKind.DELTA (each output holds what is new),
+        the others as FINAL_ONLY."""
         streams: list[AsyncStream] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                if not final_only:
+                    p = dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)
                 streams.append(await self.engine.add_request(
                     rid, {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, p,
                     final_only=final_only))

@@ -54,7 +54,7 @@ class OpenAIServingChat:
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
         reasoning = ctx.settings.reasoning_parser is not None
         events = (self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], n,
-                               top_k, mode, reasoning) if req.stream else None)
+                               top_k, mode, reasoning, len(ids)) if req.stream else None)
         return await ctx.respond(streams, raw_request, events, lambda finals: self._response(
             req, head, finals[0], top_k, mode, reasoning))
 
@@ -76,11 +76,17 @@ class OpenAIServingChat:
         return body
 
     async def _stream(self, req: ChatCompletionRequest, head: dict[str, Any], stream: AsyncStream,
-                      n: int, top_k: int | None, mode: ToolMode, reasoning: bool
+                      n: int, top_k: int | None, mode: ToolMode, reasoning: bool, num_prompt: int
                       ) -> AsyncIterator[str]:
-        sent_tokens, done = [0] * n, [False] * n
+        """The stream's outputs are deltas (RequestOutputKind.DELTA). Plain text goes out as it
+        comes, O(new tokens) per step; a reasoning parser or a tool-call mode reads the text so
+        far (kept here), as its parser needs the whole of it."""
+        done = [False] * n
+        plain = not reasoning and (mode.kind == "none"
+                                   or (mode.kind == "auto" and mode.parser is None))
+        texts = [""] * n  # the text so far, where a parser needs it
         choice_streams = [ChoiceStream(mode, reasoning) for _ in range(n)]
-        num_prompt = num_completion = 0
+        num_completion = 0
         fmt_chunk = ChunkFormat(head)
         try:
             yield "".join(fmt_chunk.choice({
@@ -92,28 +98,28 @@ class OpenAIServingChat:
                     i = c.index
                     if done[i]:
                         continue
-                    ids = c.token_ids[sent_tokens[i]:]
+                    ids = c.token_ids
+                    num_completion += len(ids)
                     finished = c.finish_reason is not None
-                    delta, called = choice_streams[i].delta(c.text, finished)
+                    if plain:
+                        delta, called = ({"content": c.text} if c.text else {}), False
+                    else:
+                        texts[i] += c.text
+                        delta, called = choice_streams[i].delta(texts[i], finished)
                     if not delta and not ids and not finished:
                         continue
                     logprobs = None
                     if top_k is not None:
-                        logprobs = chat_logprobs(self.ctx.token_texts, ids,
-                                                 (c.logprobs or [])[sent_tokens[i]:], top_k)
-                    sent_tokens[i] = len(c.token_ids)
+                        logprobs = chat_logprobs(self.ctx.token_texts, ids, c.logprobs or [], top_k)
                     finish = c.finish_reason
                     if finished:
                         done[i] = True
-                        num_completion += len(c.token_ids)
                         if called and finish == "stop":
                             finish = "tool_calls"
                     parts.append(fmt_chunk.choice({
                         "index": i, "delta": delta or {"content": ""},
                         "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": c.stop_reason}))
-                if out.finished:
-                    num_prompt = len(out.prompt_token_ids)
                 if parts:
                     yield "".join(parts)
             if req.include_usage:

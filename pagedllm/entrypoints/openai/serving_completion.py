@@ -31,6 +31,10 @@ class OpenAIServingCompletion:
         prompts = self._prompts(req)
         n = req.n or 1
         ctx.check_limits(n, req.best_of, req.logprobs)
+        if req.stream and req.best_of is not None and req.best_of != n:
+            raise bad_request(f"best_of={req.best_of} with n={n} cannot be streamed (the best n "
+                              "are known only at the end); set stream=false or best_of=n",
+                              "best_of")
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = [ctx.sampling_params(
             req, ctx.resolve_max_tokens(len(p.token_ids), req.max_tokens, DEFAULT_MAX_TOKENS,
@@ -97,9 +101,10 @@ class OpenAIServingCompletion:
 
     async def _stream(self, req: CompletionRequest, head: dict[str, Any], prompts: list[Prompt],
                       streams: list[AsyncStream], n: int) -> AsyncIterator[str]:
+        """The streams' outputs are deltas (RequestOutputKind.DELTA): each chunk is formatted
+        from what is new, so a request costs O(new tokens) per step."""
         total = len(prompts) * n
-        sent_chars, sent_tokens = [0] * total, [0] * total
-        done = [False] * total
+        started, done = [False] * total, [False] * total
         fmts = [CompletionLogprobs(self.ctx.token_texts, req.logprobs)
                 if req.logprobs is not None else None for _ in range(total)]
         num_prompt = num_completion = 0
@@ -111,29 +116,29 @@ class OpenAIServingCompletion:
                     idx = i * n + c.index
                     if done[idx]:
                         continue
-                    text, ids = c.text[sent_chars[idx]:], c.token_ids[sent_tokens[idx]:]
+                    text, ids = c.text, c.token_ids
+                    num_completion += len(ids)
                     if not text and not ids and c.finish_reason is None:
                         continue
                     fmt, logprobs = fmts[idx], None
-                    if sent_tokens[idx] == 0 and req.echo:  # the prompt comes first
+                    if not started[idx] and req.echo:  # the prompt comes first
                         text = self._prompt_text(prompts[i]) + text
                         if fmt is not None:
-                            entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                            logprobs = fmt.format(out.prompt_token_ids, list(entries))
+                            prompt_ids = prompts[i].token_ids
+                            entries = out.prompt_logprobs or [None] * len(prompt_ids)
+                            logprobs = fmt.format(prompt_ids, list(entries))
                     if fmt is not None:
-                        new = fmt.format(ids, (c.logprobs or [])[sent_tokens[idx]:])
+                        new = fmt.format(ids, c.logprobs or [])
                         logprobs = new if logprobs is None else {
                             k: logprobs[k] + new[k] for k in new}
-                    sent_chars[idx] = max(sent_chars[idx], len(c.text))
-                    sent_tokens[idx] = len(c.token_ids)
+                    started[idx] = True
                     if c.finish_reason is not None:
                         done[idx] = True
-                        num_completion += len(c.token_ids)
                     parts.append(fmt_chunk.choice({
                         "index": idx, "text": text, "logprobs": logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
                 if out.finished:
-                    num_prompt += len(out.prompt_token_ids)
+                    num_prompt += len(prompts[i].token_ids)
                 if parts:
                     yield "".join(parts)
             if req.include_usage:
