@@ -85,9 +85,10 @@ def test_matches_float64_dequantized(case: str, dtype: torch.dtype, rows: int) -
 @pytest.mark.parametrize("out", [64, 96, 192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_dequantized_weight_is_exact(out: int, dtype: torch.dtype, gs: int) -> None:
-    """Through the dequantize route (out % 64 == 0) the weight is torch's INT4 formula
-    (q - 8) * scale + offset in float32 with scale and offset in dtype, rounded once to dtype:
-    I @ W^T returns it bit for bit. out % 64 != 0 keeps torch's kernel (to rounding)."""
+    """Through the dequantize route (out a multiple of torch's packed block: 64 on AVX-512, 32
+    on AVX2) the weight is torch's INT4 formula (q - 8) * scale + offset in float32 with scale
+    and offset in dtype, rounded once to dtype: I @ W^T returns it bit for bit. Other outs keep
+    torch's kernel (to rounding)."""
     layer = Layer(out, 256, Method(4, gs), dtype, sym=False, seed=out + gs)
     codes = layer.weight.data.float()  # [out, in] 0..15
     w64 = dequantize_weight(layer, torch.float64)
@@ -98,7 +99,9 @@ def test_int4_dequantized_weight_is_exact(out: int, dtype: torch.dtype, gs: int)
     expected = ((codes - 8) * scale + offset).to(dtype)
     eye = torch.eye(256, dtype=dtype)  # 256 rows >= DEQUANT_MIN_ROWS
     y = quant_ops.quant_linear(eye, layer).t()
-    if out % 64 == 0:
+    block = quant_ops.int4pack_block_n()
+    assert block in (32, 64), f"torch's int4 packed layout is unknown here (block {block})"
+    if out % block == 0:
         assert quant_ops._cpu_kernels() is not False, "the csrc/cpu kernels did not build"
         assert torch.equal(y, expected)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

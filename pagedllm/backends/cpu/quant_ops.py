@@ -16,7 +16,8 @@ dequantized into one per-thread scratch buffer in the activation dtype (sized to
 layer seen, so resident memory is the quantized weights plus one layer's dense copy:
 ``scratch_bytes()``) and the dense GEMM runs on it. INT8 codes are exact in bf16 (the
 per-channel scale multiplies the output); INT4 is unpacked from torch's packed layout by
-csrc/cpu/quant_dequant_cpu.cpp (out % 64 == 0, float32 / bf16 activations; otherwise torch's
+csrc/cpu/quant_dequant_cpu.cpp (out a multiple of torch's packed block, 64 rows on AVX-512 and
+32 on AVX2: ``int4pack_block_n`` probes which; float32 / bf16 activations; otherwise torch's
 kernel runs at every row count). Other layouts (act order, FP8 weights) keep the reference
 dequantize-and-multiply. The packed weights replace the codes (the INT4 packing is half a byte
 per weight). PAGEDLLM_CPU_QUANT_KERNELS=0 keeps the reference everywhere (for A/B checks).
@@ -34,6 +35,7 @@ Low-precision compute mode (IPEX's ``lowp_mode``), PAGEDLLM_CPU_QUANT_LOWP_MODE:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
@@ -107,7 +109,7 @@ def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     if layer.cpu_quant_route == "int4":  # W^T [in, out]: (q - 8) * scale + offset per group
         wt = _scratch_weight((x.shape[1], layer.cpu_out_features), x.dtype)
         _cpu_kernels().int4pack_dequant(layer.cpu_int4_weight, layer.cpu_int4_scales_zeros,
-                                        layer.cpu_int4_group_size, wt)
+                                        layer.cpu_int4_group_size, int4pack_block_n(), wt)
         return F.linear(x, wt.t())
     codes = layer.cpu_int8_weight  # [out, in] int8, the checkpoint's codes - 128
     if layer.cpu_quant_route == "int8":  # per channel: exact codes, the scale on the output
@@ -126,9 +128,32 @@ def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 
 
 def _int4_dequant_fits(x: torch.Tensor, layer: Any) -> bool:
-    """The INT4 unpacking kernel takes torch's packed layout for out % 64 == 0, float32 / bf16
-    activations in the scales' dtype, and needs the csrc/cpu kernels."""
-    return (layer.cpu_out_features % 64 == 0 and x.dtype in (torch.float32, torch.bfloat16)
+@functools.lru_cache(maxsize=None)
+def int4pack_block_n() -> int:
+    """Rows per block of ``torch._convert_weight_to_int4pack_for_cpu``'s layout here: it follows
+    the CPU capability torch dispatches to (64 on AVX-512, 32 on AVX2; byte (b, k, d) holds
+    rows B b + d and B b + B / 2 + d). Probed by packing known codes; 0 for a layout the
+    unpacking kernel does not know (then torch's own kernel runs at every row count)."""
+    n, k = 64, 32
+    codes = (torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7) % 16  # [n, k]
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1).reshape(-1)
+    for block in (64, 32):
+        half = block // 2
+        blocks = codes.reshape(n // block, block, k)
+        want = blocks[:, :half] | (blocks[:, half:] << 4)  # [n / B, B / 2, k]
+        if torch.equal(want.transpose(1, 2).reshape(-1).to(torch.uint8), packed):
+            return block
+    logger.info("cpu: torch's int4 packed layout (capability %s) is not one the unpacking kernel "
+                "knows; INT4 linears keep torch's kernel at every batch",
+                torch.backends.cpu.get_cpu_capability())
+    return 0
+
+
+    """The INT4 unpacking kernel takes torch's packed layout for out a multiple of its block,
+    float32 / bf16 activations in the scales' dtype, and needs the csrc/cpu kernels."""
+    block = int4pack_block_n()
+    return (block > 0 and layer.cpu_out_features % block == 0
+            and x.dtype in (torch.float32, torch.bfloat16)
             and x.dtype == layer.cpu_int4_scales_zeros.dtype and _cpu_kernels() is not False)
 
 

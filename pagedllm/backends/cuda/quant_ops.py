@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.layers.quantization.base import FP8_MAX, pack_int32
+from pagedllm.models.layers.quantization.base import ACT_FP8_PER_TOKEN, FP8_MAX, pack_int32
 from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
@@ -40,16 +40,34 @@ def int4_gpu_layout(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return qweight, scales, offsets
 
 
-def _fp8_route_ok(layer: nn.Module) -> bool:
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 codes [T, K], float32 scales [T, 1]): dynamic per-token quantization
+    (scale = amax / 448), as ``reference.fp8_per_token`` rounds it."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+# Routes: what a layer's layout allows (pure, any device) and what this machine runs (hardware).
+def fp8_layout_ok(layer: nn.Module) -> bool:
     w = layer.weight
-    if w.dtype != torch.float8_e4m3fn or not w.is_cuda or not hasattr(torch, "_scaled_mm"):
+    return w.dtype == torch.float8_e4m3fn and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+
+
+def int4_layout_ok(layer: nn.Module) -> bool:
+    q, w = layer.quant, layer.weight
+    return (w.dtype == torch.uint8 and q.method.bits == 4 and q.g_idx is None
+            and q.zero is not None and q.act == "none" and q.group_size > 0
+            and q.group_size % 32 == 0 and w.shape[1] % q.group_size == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_runs(device: torch.device) -> bool:
+    """FP8 tensor cores (sm_89+, MI300) behind ``torch._scaled_mm``: a tiny product."""
+    if not hasattr(torch, "_scaled_mm"):
         return False
-    n, k = w.shape
-    if n % 16 or k % 16:
-        return False
-    try:  # FP8 tensor cores (sm_89+, MI300): a tiny product
-        a = torch.zeros(16, 16, device=w.device, dtype=torch.float8_e4m3fn)
-        one = torch.ones(16, 1, device=w.device)
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        one = torch.ones(16, 1, device=device)
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
         return True
     except (RuntimeError, NotImplementedError) as exc:
@@ -74,26 +92,45 @@ def _kernels() -> Any:
         return None
 
 
-def _int4_route_ok(layer: nn.Module) -> bool:
-    q, w = layer.quant, layer.weight
-    return (w.dtype == torch.uint8 and w.is_cuda and q.method.bits == 4 and q.g_idx is None
-            and q.zero is not None and q.act == "none" and q.group_size > 0
-            and q.group_size % 32 == 0 and w.shape[1] % q.group_size == 0
-            and _kernels() is not None)
+def choose_route(layer: nn.Module) -> str:
+    """"fp8", "int4" or "reference" for this layer on this machine."""
+    w = layer.weight
+    if w.is_cuda and fp8_layout_ok(layer) and _scaled_mm_runs(w.device):
+        return "fp8"
+    if w.is_cuda and int4_layout_ok(layer) and _kernels() is not None:
+        return "int4"
+    return "reference"
 
 
-def quant_linear_prepare(layer: nn.Module) -> None:
-    layer.cuda_fp8 = _fp8_route_ok(layer)
-    if layer.cuda_fp8:
+def prepare_route(layer: nn.Module, route: str) -> None:
+    """Re-lays ``layer`` out for ``route``; device-agnostic (every tensor made here lives on the
+    weight's device, which tests/quantization checks on ``meta``)."""
+    layer.cuda_fp8, layer.cuda_int4 = route == "fp8", None
+    if route == "fp8":
         layer.cuda_fp8_scale = layer.quant.scale.float().reshape(1, -1).contiguous()  # [1, N]
-    layer.cuda_int4 = None
-    if not layer.cuda_fp8 and _int4_route_ok(layer):
+        # activations are quantized per token (W8A8): the conformance suite compares with that
+        layer.act_quant = ACT_FP8_PER_TOKEN
+    elif route == "int4":
         qweight, scales, offsets = int4_gpu_layout(layer)
         layer.cuda_int4 = (qweight, scales, offsets, layer.quant.group_size)
         layer.cuda_out_features = layer.weight.shape[0]
         # the codes are no longer read: a 0-element placeholder of the same dtype
         layer.weight = nn.Parameter(layer.weight.data.new_empty((0, layer.weight.shape[1])),
                                     requires_grad=False)
+    elif route != "reference":
+        raise ValueError(f"route={route!r}; allowed: 'fp8', 'int4', 'reference'")
+
+
+def quant_linear_prepare(layer: nn.Module) -> None:
+    prepare_route(layer, choose_route(layer))
+
+
+def fp8_linear(x2: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x2 [T, K] -> [T, N] through ``torch._scaled_mm`` (float32 accumulation, one rounding)."""
+    xq, scale_x = fp8_rows(x2)
+    out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return torch._scaled_mm(xq, layer.weight.t(), scale_a=scale_x, scale_b=layer.cuda_fp8_scale,
+                            out_dtype=out_dtype)
 
 
 def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
@@ -109,12 +146,7 @@ def quant_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
         return y.reshape(*x.shape[:-1], layer.cuda_out_features)
     if not getattr(layer, "cuda_fp8", False):
         return reference_quant_linear(x, layer)
-    x2 = x.reshape(-1, x.shape[-1])
-    scale_x = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
-    xq = (x2.float() / scale_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    y = torch._scaled_mm(xq, layer.weight.t(), scale_a=scale_x, scale_b=layer.cuda_fp8_scale,
-                         out_dtype=out_dtype)
+    y = fp8_linear(x.reshape(-1, x.shape[-1]), layer)
     bias = getattr(layer, "bias", None)
     if bias is not None:
         y = y + bias

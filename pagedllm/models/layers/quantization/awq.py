@@ -67,7 +67,7 @@ class AWQConfig(QuantizationConfig):
         if "qzeros" in t:
             zeros = unpack_int32(t["qzeros"], 4, dim=1, order=AWQ_ORDER).t().float()  # [out, G]
         else:  # zero_point=False without qzeros: the midpoint
-            zeros = torch.full((out, groups), 8.0)
+            zeros = torch.full((out, groups), 8.0, device=codes.device)
         if scales.shape != (out, groups) or zeros.shape != (out, groups):
             raise ValueError(f"{module}: scales {tuple(t['scales'].shape)} / qzeros "
                              f"{tuple(t['qzeros'].shape)} do not fit {groups} groups of "

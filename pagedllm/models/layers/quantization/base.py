@@ -106,7 +106,8 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int,
     ``dim`` grown by 32 / bits. ``order[i]`` is where the i-th field of a word goes within its
     run of 32 / bits values (AutoAWQ's interleave); None: in place."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # [per]
+    # constants live on the tensor's device: a host constant fails on a GPU (and on ``meta``)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [per]
     p = packed.to(torch.int32).movedim(dim, -1)  # [..., n]
     vals = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., n, per]
     if order is not None:
@@ -125,7 +126,7 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int,
     v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)  # [..., n, per]
     if order is not None:
         v = v[..., list(order)]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
     words = (v << shifts).sum(-1)  # < 2^32
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.movedim(-1, dim)
@@ -175,11 +176,14 @@ class QuantParams(nn.Module):
             if getattr(layer, "splits_input", False):
                 n = param.shape[0]
                 loaded = loaded.narrow(0, layer.ctx.tp.rank * n, n)
-            elif shard_id is not None and getattr(self, "_g_idx_seen", False) \
-                    and not torch.equal(param.data, loaded.to(param.dtype)):
-                raise ValueError("the fused parts of a linear (q/k/v or gate/up) have different "
-                                 "g_idx (act-order permutations); that is not supported")
-            self._g_idx_seen = True
+            elif shard_id is not None:
+                # fused parts must agree; compared on the host (the parameter may be on a GPU)
+                first = getattr(self, "_g_idx_first", None)
+                if first is not None and not torch.equal(first, loaded.to(torch.int32)):
+                    raise ValueError("the fused parts of a linear (q/k/v or gate/up) have "
+                                     "different g_idx (act-order permutations); that is not "
+                                     "supported")
+                self._g_idx_first = loaded.to(torch.int32)
             layer._copy(param, loaded)
         elif self.replicated:
             layer._copy(param, loaded)
