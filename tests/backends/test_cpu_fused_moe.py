@@ -136,7 +136,7 @@ def test_python_loop_where_the_kernels_do_not_load(monkeypatch: pytest.MonkeyPat
     w13, w2 = experts.w13.weight, experts.w2.weight
     x, logits = _inputs(9, 32, 4, torch.bfloat16, 6)
     with_op = cpu_moe.fused_moe(x, w13, w2, logits, 2, True)
-    monkeypatch.setattr(cpu_moe, "optional_cpu_kernels", lambda purpose: False)
+    monkeypatch.setattr(cpu_moe, "optional_cpu_kernels", lambda purpose, library: False)
     loop = cpu_moe.fused_moe(x, w13, w2, logits, 2, True)
     assert torch.equal(loop, with_op)
     assert torch.equal(loop, cpu_moe.fused_moe_python(x, w13, w2, logits, 2, True))

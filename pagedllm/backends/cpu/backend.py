@@ -67,10 +67,10 @@ class CpuBackend(Backend):
 
     def _attention_by_name(self, choice: str) -> type[AttentionImpl]:
         if choice == "native":  # C++ decode (csrc/cpu); raises with the reason if it cannot build
-            from pagedllm.backends.cpu.kernels import load_cpu_kernels
+            from pagedllm.backends.cpu.kernels import CORE, load_cpu_kernels
             from pagedllm.backends.cpu.native_attention import CpuNativePagedAttention
 
-            load_cpu_kernels()
+            load_cpu_kernels(*CORE)
             return CpuNativePagedAttention
         if choice == "torch":
             from pagedllm.backends.cpu.attention import TorchPagedAttention
@@ -135,10 +135,10 @@ def _cpu_kernels() -> Any:
     """torch.ops.pagedllm_cpu where the cpu kernels load (or build) here, else None, saying why
     once per process: a warning, or info when PAGEDLLM_CPU_KERNELS=0 asked for it."""
     global _fallback_logged
-    from pagedllm.backends.cpu.kernels import cpu_kernels_disabled, load_cpu_kernels
+    from pagedllm.backends.cpu.kernels import CORE, cpu_kernels_disabled, load_cpu_kernels
 
     try:
-        return load_cpu_kernels()
+        return load_cpu_kernels(*CORE)
     except RuntimeError as exc:
         if not _fallback_logged:
             _fallback_logged = True

@@ -40,7 +40,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.backends.cpu import ops as cpu_ops
-from pagedllm.backends.cpu.kernels import optional_cpu_kernels
+from pagedllm.backends.cpu.kernels import MOE, optional_cpu_kernels
 from pagedllm.models.layers.moe_ops import check_shapes, fused_moe_grouped, run_grouped
 
 PACKED = "cpu_packed_experts"  # attribute of the w13 / w2 parameters: one packed linear per expert
@@ -140,8 +140,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         _release(w2, down)
         setattr(w13, RELEASE_PENDING, False)
     weights: OpWeights | None = getattr(w13, OP_WEIGHTS, None)
-    kernels = (optional_cpu_kernels("fused_moe runs its Python loop over the packed experts")
-               if weights is not None else False)
+    kernels = (optional_cpu_kernels("fused_moe runs its Python loop over the packed experts",
+                                    MOE) if weights is not None else False)
     if kernels:
         return kernels.fused_moe_packed(
             hidden, gating_output, topk, renormalize, weights.up, weights.down,

@@ -1,27 +1,31 @@
 """The cpu backend's C++ kernels (csrc/cpu/), built on first use with the host C++ compiler.
 
-``load_cpu_kernels()`` compiles csrc/cpu/*.cpp with torch.utils.cpp_extension.load (~15 s per
-library, once) into the shared kernel cache (pagedllm/backends/kernel_build.py:
-$PAGEDLLM_CACHE_DIR, default ~/.cache/pagedllm/kernels/<hash of torch version, sources and
-flags>); later processes load the cached libraries. Two libraries, each built for its own ISA
-(``LIBRARIES``): the attention (paged_attention_cpu.cpp: decode, prefill_attention_cpu.cpp:
-prefill; shared checks in attention_args.h, vector helpers in attention_vec.h) is written for AVX2, the layer
-ops, the greedy sampler and guided decoding's token mask (layer_ops_cpu.cpp, sampling_cpu.cpp,
-bitmask_cpu.cpp) follow torch's own CPU kernels
+``load_cpu_kernels(*libraries)`` compiles the csrc/cpu/*.cpp of the libraries asked for with
+torch.utils.cpp_extension.load (once) into the shared kernel cache
+(pagedllm/backends/kernel_build.py: $PAGEDLLM_CACHE_DIR, default
+~/.cache/pagedllm/kernels/<hash of torch version, sources and flags>); later processes load the
+cached libraries. Five libraries (``LIBRARIES``), each built for its own ISA and only when asked
+for, so a first run builds what it uses: every model runs ``CORE`` (the attention and the layer
+ops); the quantized routes, thread binding and the MoE op load theirs on first use. Libraries
+missing from the cache are built at the same time (one compiler per source file, up to ninja's
+job count each). The attention (paged_attention_cpu.cpp: decode, prefill_attention_cpu.cpp:
+prefill; shared checks in attention_args.h, vector helpers in attention_vec.h) is written for
+AVX2; the layer ops, the greedy sampler and guided decoding's token mask (layer_ops_cpu.cpp,
+sampling_cpu.cpp, bitmask_cpu.cpp) and the other libraries follow torch's own CPU kernels
 (AVX-512 where torch runs AVX-512), so that their vectorized exp and log are torch's and bf16/fp16
-convert 16 lanes at a time. Both register
-with torch's dispatcher as ``torch.ops.pagedllm_cpu.*``, and that namespace is what
-``load_cpu_kernels()`` returns.
+convert 16 lanes at a time. All register with torch's dispatcher as ``torch.ops.pagedllm_cpu.*``,
+and that namespace is what ``load_cpu_kernels()`` returns.
 
-A build that fails (no compiler, no ninja, ...) is not retried in the same process: every later
-call raises the same RuntimeError at once. ``PAGEDLLM_CPU_KERNELS=0`` turns the kernels off (then
-``load_cpu_kernels()`` raises saying so).
+A library whose build fails (no compiler, no ninja, ...) is not retried in the same process:
+every later call that asks for it raises the same RuntimeError at once. ``PAGEDLLM_CPU_KERNELS=0``
+turns the kernels off (then ``load_cpu_kernels()`` raises saying so).
 Importing this module imports nothing heavy.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,12 @@ from pagedllm.backends.kernel_build import build_directory, csrc_dir, jit_load
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGEDLLM_CPU_KERNELS"
+ATTENTION = "pagedllm_cpu"
+LAYERS = "pagedllm_cpu_layers"
+QUANT = "pagedllm_cpu_quant"
+THREADS = "pagedllm_cpu_threads"
+MOE = "pagedllm_cpu_moe"
+CORE = (ATTENTION, LAYERS)  # what every model runs on the native attention
 # library name -> (its csrc/cpu sources, the ISA it is built for: "avx2", or "torch" for the one
 # torch's CPU kernels run here)
 LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -51,8 +61,8 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
            "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 _lock = threading.Lock()
-_ops: Any = None
-_error: str | None = None
+_loaded: set[str] = set()  # libraries loaded into this process
+_errors: dict[str, str] = {}  # library -> why it did not build or load (not retried)
 
 
 def cpu_kernels_disabled() -> bool:
@@ -94,62 +104,92 @@ def library_build_dir(library: str) -> Path:
                            {"cxx": compile_flags(library)})
 
 
-def _build() -> Any:
-    import torch
-
+def _load_one(name: str) -> None:
+    """Load ``name`` from the kernel cache, building it there first where it is missing."""
     src = csrc_dir()
     if src is None:
         raise RuntimeError("the csrc/cpu kernel sources were not found next to the package; "
                            "reinstall pagedllm with its csrc package data")
-    for name, (files, _) in LIBRARIES.items():
-        sources = [str(src / "cpu" / f) for f in files]
-        flags = compile_flags(name)
-        build_dir = library_build_dir(name)
-        logger.debug("loading %s from %s", name, build_dir)
-        jit_load(name, sources, build_dir, is_python_module=False, build_time="~15 s",
-                 extra_cflags=flags,
-                 extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
-                 verbose=envs.PAGEDLLM_VERBOSE_BUILD)
+    sources = [str(src / "cpu" / f) for f in LIBRARIES[name][0]]
+    flags = compile_flags(name)
+    build_dir = library_build_dir(name)
+    logger.debug("loading %s from %s", name, build_dir)
+    jit_load(name, sources, build_dir, is_python_module=False,
+             build_time=f"{len(sources)} source file(s), ~15-25 s of CPU each",
+             extra_cflags=flags, extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+             verbose=envs.PAGEDLLM_VERBOSE_BUILD)
+
+
+def _load(names: list[str]) -> None:
+    """Load ``names`` (keys of LIBRARIES, none loaded yet), building the missing ones at the same
+    time; records each failure in ``_errors``. Caller holds ``_lock``."""
+
+    def attempt(name: str) -> Exception | None:
+        try:
+            _load_one(name)
+            return None
+        except Exception as exc:  # noqa: BLE001 - compiler, ninja and loader errors vary
+            return exc
+
+    if len(names) == 1:
+        outcomes = [attempt(names[0])]
+    else:  # each build is a ninja subprocess: threads overlap them
+        with ThreadPoolExecutor(len(names), thread_name_prefix="pagedllm-cpu-build") as pool:
+            outcomes = list(pool.map(attempt, names))
+    for name, exc in zip(names, outcomes):
+        if exc is None:
+            _loaded.add(name)
+        else:
+            _errors[name] = (f"cannot build the pagedllm cpu kernels (csrc/cpu, {name}): "
+                             f"{type(exc).__name__}: {exc}")
+
+
+def load_cpu_kernels(*libraries: str) -> Any:
+    """``torch.ops.pagedllm_cpu`` with ``libraries`` (keys of LIBRARIES; none given: all of them)
+    loaded, building those missing from the kernel cache on first use; thread-safe, one build
+    per library and process. Raises RuntimeError with the reason when the kernels are disabled
+    or one of the libraries cannot be built."""
+    if cpu_kernels_disabled():
+        raise RuntimeError(f"the cpu kernels are disabled by {ENABLE_ENV}=0")
+    wanted = list(libraries or LIBRARIES)
+    unknown = [name for name in wanted if name not in LIBRARIES]
+    if unknown:
+        raise ValueError(f"unknown cpu kernel library {unknown}; known: {', '.join(LIBRARIES)}")
+    with _lock:
+        missing = [n for n in dict.fromkeys(wanted) if n not in _loaded and n not in _errors]
+        if missing:
+            _load(missing)
+        failed = [_errors[n] for n in wanted if n in _errors]
+        if failed:
+            raise RuntimeError(failed[0])
+    import torch
+
     return torch.ops.pagedllm_cpu
 
 
-def load_cpu_kernels() -> Any:
-    """``torch.ops.pagedllm_cpu``, building the kernels on first use; thread-safe, one build per
-    process. Raises RuntimeError with the reason when they are disabled or cannot be built."""
-    global _ops, _error
-    if cpu_kernels_disabled():
-        raise RuntimeError(f"the cpu kernels are disabled by {ENABLE_ENV}=0")
-    with _lock:
-        if _ops is not None:
-            return _ops
-        if _error is None:
-            try:
-                _ops = _build()
-                return _ops
-            except Exception as exc:  # noqa: BLE001 - compiler, ninja and loader errors vary
-                _error = (f"cannot build the pagedllm cpu kernels (csrc/cpu): "
-                          f"{type(exc).__name__}: {exc}")
-        raise RuntimeError(_error)
+def loaded_libraries() -> frozenset[str]:
+    """The libraries loaded into this process so far."""
+    return frozenset(_loaded)
 
 
-_optional: Any = None  # load_cpu_kernels() for optional fast paths; False where it raised
+_optional: dict[str, Any] = {}  # library -> load_cpu_kernels(library), or False where it raised
 _optional_logged: set[str] = set()
 
 
-def optional_cpu_kernels(purpose: str) -> Any:
-    """``torch.ops.pagedllm_cpu`` for a fast path that has a torch fallback, or False where the
-    kernels do not load (memoized: hot paths call this per op; the reason is logged once per
-    ``purpose``, which names the fallback)."""
-    global _optional
-    if _optional is None:
+def optional_cpu_kernels(purpose: str, library: str) -> Any:
+    """``torch.ops.pagedllm_cpu`` with ``library`` loaded, for a fast path that has a torch
+    fallback, or False where it does not load (memoized: hot paths call this per op; the reason
+    is logged once per ``purpose``, which names the fallback)."""
+    kernels = _optional.get(library)
+    if kernels is None:
         try:
-            _optional = load_cpu_kernels()
+            kernels = load_cpu_kernels(library)
         except RuntimeError as exc:
-            _optional = False
+            kernels = False
             logger.info("cpu: %s (%s)", purpose, exc)
             _optional_logged.add(purpose)
-    if _optional is False:
-        if purpose not in _optional_logged:
-            _optional_logged.add(purpose)
-            logger.info("cpu: %s (%s)", purpose, _error or "cpu kernels unavailable")
-    return _optional
+        _optional[library] = kernels
+    if kernels is False and purpose not in _optional_logged:
+        _optional_logged.add(purpose)
+        logger.info("cpu: %s (%s)", purpose, _errors.get(library, "cpu kernels unavailable"))
+    return kernels

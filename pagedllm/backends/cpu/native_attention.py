@@ -20,7 +20,7 @@ import torch
 
 from pagedllm.backends.attention import AttentionMetadata
 from pagedllm.backends.cpu.attention import TorchPagedAttention
-from pagedllm.backends.cpu.kernels import load_cpu_kernels
+from pagedllm.backends.cpu.kernels import ATTENTION, load_cpu_kernels
 from pagedllm.backends.cpu.layer_ops import KERNEL_DTYPES
 
 
@@ -31,7 +31,7 @@ class CpuNativePagedAttention(TorchPagedAttention):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  **features: Any) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale, **features)
-        self._ops = load_cpu_kernels()
+        self._ops = load_cpu_kernels(ATTENTION)
         # the kernels' spelling of "off": 0
         self._window = self.sliding_window or 0
         self._soft_cap = float(self.logits_soft_cap or 0.0)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.cpu.kernels import optional_cpu_kernels
+from pagedllm.backends.cpu.kernels import QUANT, optional_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _logged = False
 
 def _cpu_kernels() -> Any:
     """The csrc/cpu kernels, or False where they do not build / are off."""
-    return optional_cpu_kernels("lowp int8 runs its activation passes in torch")
+    return optional_cpu_kernels("lowp int8 runs its activation passes in torch", QUANT)
 
 
 def available() -> bool:

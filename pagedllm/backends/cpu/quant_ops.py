@@ -46,7 +46,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.backends.cpu import quant_lowp
-from pagedllm.backends.cpu.kernels import optional_cpu_kernels
+from pagedllm.backends.cpu.kernels import QUANT, optional_cpu_kernels
 from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ _scratch = threading.local()  # .buffers: dtype -> flat tensor, this thread's de
 
 def _cpu_kernels() -> Any:
     """The csrc/cpu kernels, or False where they do not build / are off."""
-    return optional_cpu_kernels("INT4 linears keep torch's weight-only kernel at every batch")
+    return optional_cpu_kernels("INT4 linears keep torch's weight-only kernel at every batch",
+                                QUANT)
 
 
 def quant_kernels_enabled() -> bool:

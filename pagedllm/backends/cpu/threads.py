@@ -183,9 +183,9 @@ def _bind(cpus: tuple[int, ...]) -> list[int]:
     """torch.set_num_threads(len(cpus)) and bind_omp_threads; the tids of OpenMP threads 0..n-1."""
     import torch
 
-    from pagedllm.backends.cpu.kernels import load_cpu_kernels
+    from pagedllm.backends.cpu.kernels import THREADS, load_cpu_kernels
 
-    ops = load_cpu_kernels()
+    ops = load_cpu_kernels(THREADS)
     os.environ.setdefault(_BEFORE_ENV, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     threads = torch.get_num_threads()
     torch.set_num_threads(len(cpus))
