@@ -40,11 +40,19 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Release the engine's workers, weights and KV cache now (``del llm`` and
+        ``gc.collect()`` do the same); idempotent. The object cannot generate afterwards."""
+        self._shut_down = True
+        self.llm_engine.shutdown()
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. During the call Python's
         cyclic garbage collector runs no full collection (engine/gc_freeze.py)."""
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):

@@ -284,5 +284,10 @@ class LLMEngine:
             kv_cache_usage=sum(b.usage() for b in bms) / len(bms))
 
     def shutdown(self) -> None:
+        """Stop the workers and release the model and KV cache (device memory too);
+        idempotent. ``del engine`` followed by ``gc.collect()`` frees the same."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
         self.guided.shutdown()
         self.executor.shutdown()

@@ -46,7 +46,10 @@ def test_steps_are_padded_to_buckets(conformance_backend: Backend, conformance_c
     llm = LLM(conformance_checkpoint, **kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - i, ignore_eos=True)
               for i in range(len(ps))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    finally:
+        llm.shutdown()  # the next check's engine needs the device memory back
     got = [o.outputs[0].token_ids for o in outs]
     expected = [e[:MAX_TOKENS - i] for i, e in enumerate(expected)]
 

@@ -14,7 +14,7 @@ import pytest
 
 from pagedllm.backends.interface import Capabilities
 from pagedllm.testing.e2e import engine_greedy, first_mismatch
-from pagedllm.testing.test_e2e import make_llm
+from pagedllm.testing.test_e2e import started_llm
 
 AREA = "claims (graphs, async, TP)"
 NEEDS_ENGINE = True  # runs an LLM on the device (skipped for kernel-only backends)
@@ -35,19 +35,21 @@ def test_graphs_are_captured_and_replayed(conformance_checkpoint: str,
                                           conformance_caps: Capabilities,
                                           conformance_hf_reference: tuple[list, list]) -> None:
     ps, expected = conformance_hf_reference
-    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
-                   enforce_eager=False)
-    assert not llm.llm_engine.config.enforce_eager, (
-        "graphs=True is declared but check_and_update_config turned enforce_eager back on")
-    replay = engine_greedy(llm, ps)
-    counters = _worker(llm).counters
+    # one engine at a time: each sizes its KV cache from the device memory the last gave back
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                     enforce_eager=False) as llm:
+        assert not llm.llm_engine.config.enforce_eager, (
+            "graphs=True is declared but check_and_update_config turned enforce_eager back on")
+        replay = engine_greedy(llm, ps)
+        counters = _worker(llm).counters
     assert counters["graph_captures"] > 0, (
         f"graphs=True is declared but no graph was captured (worker counters: {dict(counters)})")
     assert counters["graph_replays"] > 0, (
         f"graphs=True is declared but no step ran from a graph (worker counters: "
         f"{dict(counters)})")
-    eager = engine_greedy(make_llm(conformance_checkpoint, conformance_device_name,
-                                   conformance_caps, enforce_eager=True), ps)
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                     enforce_eager=True) as llm:
+        eager = engine_greedy(llm, ps)
     assert replay == eager, f"graph replay differs from eager: {first_mismatch(replay, eager)}"
     assert replay == expected, f"graph replay vs transformers: {first_mismatch(replay, expected)}"
 
@@ -57,17 +59,18 @@ def test_async_output_returns_before_the_device_finishes(
         conformance_checkpoint: str, conformance_device_name: str,
         conformance_caps: Capabilities, conformance_hf_reference: tuple[list, list]) -> None:
     ps, expected = conformance_hf_reference
-    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps)
-    got = engine_greedy(llm, ps)
-    counters = _worker(llm).counters
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps) as llm:
+        got = engine_greedy(llm, ps)
+        counters = _worker(llm).counters
     assert counters["launches"] > 0, (
         f"async_output=True is declared but the engine never launched a step asynchronously "
         f"(worker counters: {dict(counters)})")
     assert counters["returned_before_done"] > 0, (
         f"async_output=True is declared but launch_model returned after the device finished in "
         f"all {counters['launches']} launches (PendingOutputs.done() was always True)")
-    sync = engine_greedy(make_llm(conformance_checkpoint, conformance_device_name,
-                                  conformance_caps, disable_async_output_proc=True), ps)
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                     disable_async_output_proc=True) as llm:
+        sync = engine_greedy(llm, ps)
     assert got == sync, f"async output differs from the synchronous path: {first_mismatch(got, sync)}"
     assert got == expected, f"async output vs transformers: {first_mismatch(got, expected)}"
 
@@ -89,10 +92,7 @@ def test_tensor_parallel_where_this_machine_can(conformance_checkpoint: str,
         pytest.skip("tensor parallelism needs two devices; this machine has "
                     f"{conformance_backend.device_count()}")
     ps, expected = conformance_hf_reference
-    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
-                   tensor_parallel_size=2)
-    try:
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                     tensor_parallel_size=2) as llm:
         got = engine_greedy(llm, ps)
-    finally:
-        llm.llm_engine.shutdown()
     assert got == expected, f"tensor_parallel_size=2: {first_mismatch(got, expected)}"

@@ -2,6 +2,8 @@
 token for token (float32), in every engine mode the backend declares; seeded sampling repeats."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,15 +46,34 @@ def make_llm(checkpoint: str, device: str, caps: Capabilities, **kwargs: Any) ->
                max_model_len=512, **kwargs)
 
 
+@contextlib.contextmanager
+def started_llm(checkpoint: str, device: str, caps: Capabilities,
+                **kwargs: Any) -> Iterator[Any]:
+    """``make_llm`` shut down on exit, pass or fail: an engine sizes its KV cache from the
+    device memory left, so the next check's engine needs this one's back (a failed check's
+    traceback would otherwise keep it alive for the rest of the session)."""
+    llm = make_llm(checkpoint, device, caps, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.capability("dtype:float32")
 @pytest.mark.parametrize("mode,kwargs", MODES)
 def test_greedy_matches_transformers(mode: str, kwargs: dict, conformance_checkpoint: str,
                                      conformance_device_name: str, conformance_caps: Capabilities,
                                      conformance_hf_reference: tuple[list, list]) -> None:
     ps, expected = conformance_hf_reference
-    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps, **kwargs)
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps,
+                     **kwargs) as llm:
+        _greedy_in_mode(llm, mode, ps, expected, conformance_device_name, conformance_caps)
+
+
+def _greedy_in_mode(llm: Any, mode: str, ps: list, expected: list, device_name: str,
+                    conformance_caps: Capabilities) -> None:
     engine = llm.llm_engine
-    assert engine.backend.name == conformance_device_name
+    assert engine.backend.name == device_name
     got = engine_greedy(llm, ps)
     assert got == expected, f"{mode}: {first_mismatch(got, expected)}"
     if mode == "prefix_caching":  # the second pass reads the prompts' KV from the cache
@@ -71,10 +92,14 @@ def test_greedy_matches_transformers(mode: str, kwargs: dict, conformance_checkp
 def test_seeded_sampling_repeats(conformance_checkpoint: str, conformance_device_name: str,
                                  conformance_caps: Capabilities,
                                  conformance_hf_reference: tuple[list, list]) -> None:
+    ps = conformance_hf_reference[0][:4]
+    with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps) as llm:
+        _seeded_repeats(llm, ps)
+
+
+def _seeded_repeats(llm: Any, ps: list) -> None:
     from pagedllm import SamplingParams
 
-    ps = conformance_hf_reference[0][:4]
-    llm = make_llm(conformance_checkpoint, conformance_device_name, conformance_caps)
     params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=MAX_TOKENS,
                             ignore_eos=True)
 

@@ -95,6 +95,18 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute(batch, self.kv_caches)
 
+    def release_device_memory(self) -> None:
+        """Called by ``release`` once the model and caches are dropped (e.g. return the
+        caching allocator's blocks to the device)."""
+
+    def release(self) -> None:
+        """Drop the model, the runner and every KV cache (engine shutdown); idempotent. The
+        counters stay readable."""
+        self.model = self.runner = None
+        self.kv_caches, self.host_caches = [], []
+        self.ve_kv_caches, self.ve_host_caches = [], []
+        self.release_device_memory()
+
     def launch_model(self, batch: ScheduledBatch) -> PendingOutputs:
         """Queue the step on the device and return without waiting for it (backends with
         ``capabilities.async_output``); this default runs it to completion."""

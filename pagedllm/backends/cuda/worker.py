@@ -59,6 +59,13 @@ class CudaWorker(Worker):
         self.graphs.capture()
         self.counters["graph_captures"] += len(self.graphs.graphs)
 
+    def release_device_memory(self) -> None:
+        # the graphs hold the model, the caches and their memory pool
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def run_model(self, batch: ScheduledBatch) -> list[SeqOutput]:
         return self.launch_model(batch).result()
 
