@@ -17,11 +17,13 @@
 #                                            # one call per preset: models mixtral-8x7b-shape,
 #                                            # then models qwen3-8b-shape
 #   bash benchmarks/h200_run.sh quant        # issue 32: Llama-3-8B shape, GPTQ 4-bit vs bf16 batch 1
-#                                            # 128/128, then FP8 vs bf16 1000 x 128/128
+#                                            # 128/128, then FP8 vs bf16 1000 x 128/128 (quant-int4,
+#                                            # quant-fp8: one of the two)
 #   bash benchmarks/h200_run.sh guided       # issue 33: JSON schema on every request vs none,
 #                                            # demo model bf16, 256 x 64 tokens, + cold-schema TTFT
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
+# Several stages in one device call, with a deadline and a summary: benchmarks/gpu_batch.sh.
 # From the repository root; logs go to $OUT (default ./h200-logs). The kernel build is cached
 # under .carry/pc (ignored by git) so later stages on a warm machine reuse it. A fresh machine
 # skips the ~90 s build when the call carries .carry/pc holding the library of an earlier build
@@ -104,13 +106,13 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
         | tee "$OUT/models-$preset.log" | tail -12
     done
     ;;
-  quant)
+  quant|quant-int4|quant-fp8)
     Q=(python benchmarks/quant.py --device cuda --preset llama3-8b-shape --input-len 128
        --output-len 128 --repeats 1)
-    timeout 280 "${Q[@]}" --variants bf16,int4 --num-prompts 1 2>&1 | tee "$OUT/quant-batch1.log" \
-      | tail -6
-    timeout 280 "${Q[@]}" --variants bf16,fp8 --num-prompts 1000 2>&1 \
-      | tee "$OUT/quant-fp8.log" | tail -6
+    [ "$1" = quant-fp8 ] || timeout 280 "${Q[@]}" --variants bf16,int4 --num-prompts 1 "${@:2}" \
+      2>&1 | tee "$OUT/quant-batch1.log" | tail -6
+    [ "$1" = quant-int4 ] || timeout 280 "${Q[@]}" --variants bf16,fp8 --num-prompts 1000 \
+      "${@:2}" 2>&1 | tee "$OUT/quant-fp8.log" | tail -6
     ;;
   guided)
     timeout 280 python benchmarks/guided.py --device cuda --dtype bfloat16 --num-prompts 256 \
