@@ -39,13 +39,19 @@ class OutputProcessor:
                 self._store_prompt_logprobs(group, sched_seq.start_pos, out.prompt_logprobs)
             if not out.samples or seq.is_finished():
                 continue
+            # a forked group's samples are one sequence's run of tokens (speculative decoding
+            # accepts several per step); the first sample's are the group's n / best_of choices
+            run = out.samples if group.forked else out.samples[:1]
             if not group.forked:
                 group.forked = True
                 for j, sample in enumerate(out.samples[1:], start=1):
                     child = fork(group, seq, j)  # forked before the first output token
                     self.start(child, group.sampling_params)
                     self._append(group, child, sample)
-            self._append(group, seq, out.samples[0])
+            for sample in run:
+                if seq.is_finished():  # a stop inside the run: the rest is dropped
+                    break
+                self._append(group, seq, sample)
             if group.metrics is not None:
                 group.metrics.first_token_time = group.metrics.first_token_time or now
                 group.metrics.last_token_time = now
