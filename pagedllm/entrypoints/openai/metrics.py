@@ -54,6 +54,7 @@ class ServerMetrics:
         self._success = Counter("pagedllm:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self._model_name = model_name
+        self._spec: _SpecDecodeMetrics | None = None  # made when the engine reports them
         self._seen_preemptions = 0
         # request id -> output tokens of each choice so far
         self._tokens: dict[str, list[int]] = {}
@@ -68,6 +69,11 @@ class ServerMetrics:
         if stats.num_preemptions > self._seen_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.num_preemptions
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodeMetrics(self.registry, self._model_name)
+            self._spec.update(spec)
         for out in outputs:
             self._on_output(out)
 
@@ -101,3 +107,54 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeMetrics:
+    """Speculative decoding (vLLM's spec_decode metrics): counters of verifications, draft,
+    accepted and emitted tokens and accepted drafts by position, and gauges of the acceptance
+    rate and the mean accepted length (tokens emitted per verification), all since start."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        reg, labels = registry, ["model_name"]
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"pagedllm:spec_decode_{name}", doc, labels,
+                           registry=reg).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:spec_decode_{name}", doc, labels,
+                         registry=reg).labels(model_name)
+
+        self.counters = {
+            "num_drafts": counter("num_drafts", "Verifications of drafted tokens."),
+            "num_draft_tokens": counter("num_draft_tokens", "Draft tokens verified."),
+            "num_accepted_tokens": counter("num_accepted_tokens",
+                                           "Draft tokens the target accepted."),
+            "num_emitted_tokens": counter("num_emitted_tokens",
+                                          "Tokens verifications emitted (accepted + 1 each)."),
+        }
+        self.per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted draft tokens by their position in the draft.",
+                               ["model_name", "position"], registry=reg)
+        self.rate = gauge("draft_acceptance_rate", "Accepted / verified draft tokens.")
+        self.mean_len = gauge("mean_accepted_length",
+                              "Tokens emitted per verification (1 + accepted drafts).")
+        self._model_name = model_name
+        self._seen: dict[str, int] = {}
+        self._seen_pos: list[int] = []
+
+    def update(self, spec: dict[str, Any]) -> None:
+        """``spec``: the engine's cumulative SpecDecodeMetrics.as_dict()."""
+        for name, counter in self.counters.items():
+            value = int(spec.get(name, 0))
+            if value > self._seen.get(name, 0):
+                counter.inc(value - self._seen.get(name, 0))
+                self._seen[name] = value
+        for pos, value in enumerate(spec.get("accepted_per_position", [])):
+            while len(self._seen_pos) <= pos:
+                self._seen_pos.append(0)
+            if value > self._seen_pos[pos]:
+                self.per_pos.labels(self._model_name, str(pos)).inc(value - self._seen_pos[pos])
+                self._seen_pos[pos] = value
+        self.rate.set(float(spec.get("acceptance_rate", 0.0)))
+        self.mean_len.set(float(spec.get("mean_accepted_length", 0.0)))
