@@ -128,7 +128,6 @@ def _dequantized_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     return F.linear(x.float(), w32).to(x.dtype)
 
 
-def _int4_dequant_fits(x: torch.Tensor, layer: Any) -> bool:
 @functools.lru_cache(maxsize=None)
 def int4pack_block_n() -> int:
     """Rows per block of ``torch._convert_weight_to_int4pack_for_cpu``'s layout here: it follows
@@ -150,6 +149,7 @@ def int4pack_block_n() -> int:
     return 0
 
 
+def _int4_dequant_fits(x: torch.Tensor, layer: Any) -> bool:
     """The INT4 unpacking kernel takes torch's packed layout for out a multiple of its block,
     float32 / bf16 activations in the scales' dtype, and needs the csrc/cpu kernels."""
     block = int4pack_block_n()
