@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import PPGroup
-from pagedllm.distributed.utils import verify_pipeline_parallel
+from pagedllm.engine.config_validation import check_pipeline_parallel
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.config import ParallelConfig
 from pagedllm.models.layers.pipeline import PPMissingLayer, get_pp_indices, partition_layers
@@ -78,7 +78,7 @@ def test_backend_without_pipeline_support_is_refused(checkpoint_factory) -> None
                                     capabilities=types.SimpleNamespace(pipeline_parallel=False))
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: the tpu backend does not "
                                          "support pipeline parallelism.*backends that do: .*cpu"):
-        verify_pipeline_parallel(config, backend)
+        check_pipeline_parallel(config, backend)
 
 
 def test_model_without_stages_is_refused(checkpoint_factory, monkeypatch) -> None:
@@ -90,7 +90,7 @@ def test_model_without_stages_is_refused(checkpoint_factory, monkeypatch) -> Non
     config = EngineArgs(model=checkpoint_factory("llama"), device="cpu",
                         pipeline_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="LlamaForCausalLM does not run as pipeline stages"):
-        verify_pipeline_parallel(config, resolve_backend("cpu"))
+        check_pipeline_parallel(config, resolve_backend("cpu"))
 
 
 def test_bad_sizes_are_refused_before_spawning(checkpoint_factory) -> None:

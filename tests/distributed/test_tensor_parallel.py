@@ -9,7 +9,7 @@ import types
 import pytest
 
 from pagedllm import LLM
-from pagedllm.distributed.utils import verify_tensor_parallel
+from pagedllm.engine.config_validation import check_tensor_parallel
 from tp_utils import greedy, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,30 +71,31 @@ def test_worker_error_surfaces_with_its_type(checkpoint_factory) -> None:
     assert wait_until(lambda: set(multiprocessing.active_children()) <= before, timeout=15)
 
 
-def _config(heads: int, kv_heads: int, tp: int) -> types.SimpleNamespace:
+def _config(heads: int, kv_heads: int, tp: int, executor: str = "mp") -> types.SimpleNamespace:
     model = types.SimpleNamespace(get_num_heads=lambda: heads, get_num_kv_heads=lambda: kv_heads)
-    return types.SimpleNamespace(model=model,
-                                 parallel=types.SimpleNamespace(tensor_parallel_size=tp))
+    parallel = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                     distributed_executor_backend=executor)
+    return types.SimpleNamespace(model=model, parallel=parallel)
 
 
 @pytest.mark.parametrize("heads,kv_heads,tp,ok", [
     (4, 2, 2, True), (4, 1, 2, True), (4, 2, 4, True), (8, 8, 4, True),
     (4, 2, 3, False), (6, 3, 2, False), (12, 3, 6, True), (12, 4, 6, False),
 ])
-def test_verify_tensor_parallel(heads: int, kv_heads: int, tp: int, ok: bool) -> None:
+def test_check_tensor_parallel(heads: int, kv_heads: int, tp: int, ok: bool) -> None:
     backend = types.SimpleNamespace(name="cpu", dist_backend="gloo", device_count=lambda: 1)
     if ok:
-        verify_tensor_parallel(_config(heads, kv_heads, tp), backend, one_host=True)
+        check_tensor_parallel(_config(heads, kv_heads, tp), backend)
     else:
         with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}"):
-            verify_tensor_parallel(_config(heads, kv_heads, tp), backend, one_host=True)
+            check_tensor_parallel(_config(heads, kv_heads, tp), backend)
 
 
 def test_nccl_needs_a_device_per_rank() -> None:
     backend = types.SimpleNamespace(name="cuda", dist_backend="nccl", device_count=lambda: 1)
     with pytest.raises(ValueError, match="needs 2 cuda devices on this host but 1 are visible"):
-        verify_tensor_parallel(_config(4, 2, 2), backend, one_host=True)
-    verify_tensor_parallel(_config(4, 2, 2), backend, one_host=False)  # Ray: across hosts
+        check_tensor_parallel(_config(4, 2, 2), backend)
+    check_tensor_parallel(_config(4, 2, 2, executor="ray"), backend)  # Ray: across hosts
 
 
 def test_bad_tp_size_fails_before_spawning(checkpoint_factory) -> None:
