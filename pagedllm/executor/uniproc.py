@@ -33,3 +33,6 @@ class UniProcExecutor(Executor):
 
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
         return self.worker.execute_async(batch)
+
+    def shutdown(self) -> None:
+        self.worker.release()
