@@ -20,11 +20,17 @@ if TYPE_CHECKING:
 def validate_config(config: EngineConfig, backend: Backend) -> str:
     """Run every check; returns the model's architecture name."""
     arch = check_model(config, backend)
-    check_capabilities(config, backend)
-    check_attention_limits(config, backend)
+    check_backend(config, backend)
     check_tensor_parallel(config, backend)
     check_pipeline_parallel(config, backend, arch)
     return arch
+
+
+def check_backend(config: EngineConfig, backend: Backend) -> None:
+    """The checks against the backend's declarations alone (no model registry, no layout): what
+    the conformance suite asks of a plugin's declared capabilities."""
+    check_capabilities(config, backend)
+    check_attention_limits(config, backend)
 
 
 # --- the model ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pagedllm.backends.rocm.backend import RocmBackend
 from pagedllm.backends.tpu.backend import TpuBackend
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
+from pagedllm.engine.config_validation import check_attention_limits, check_backend
 from pagedllm.testing.checkpoints import FAMILY_CONFIGS, tiny_config
 from pagedllm.testing.harness import raw_config
 
@@ -24,6 +25,12 @@ def _limited(**limits: object) -> Backend:
     """A cpu backend declaring narrower attention limits (everything else as cpu)."""
     caps = dataclasses.replace(CpuBackend.capabilities, **limits)
     return type("LimitedBackend", (CpuBackend,), {"name": "limited", "capabilities": caps})()
+
+
+def _engine_check(backend: Backend, config: EngineConfig) -> None:
+    """What the engine does at start: the backend's hook, then the configuration check."""
+    backend.check_and_update_config(config)
+    check_backend(config, backend)
 
 
 def _config_for(backend: Backend, hf_config: object, max_model_len: int = 256) -> EngineConfig:
@@ -53,11 +60,11 @@ def test_undeclared_head_size_is_refused_by_the_engine(tmp_path) -> None:
 def test_gqa_group_above_the_declared_maximum_is_refused() -> None:
     backend = _limited(max_gqa_group=2)
     ok = raw_config(backend, dtype="float32", block_size=16, num_heads=4, num_kv_heads=2)
-    backend.check_and_update_config(ok)  # group 2: at the limit
+    _engine_check(backend, ok)  # group 2: at the limit
     bad = raw_config(backend, dtype="float32", block_size=16, num_heads=6, num_kv_heads=2)
     with pytest.raises(ValueError, match=r"GQA group 3 .*num_attention_heads=6 / "
                                          r"num_key_value_heads=2.*limited.*max_gqa_group=2"):
-        backend.check_and_update_config(bad)
+        _engine_check(backend, bad)
 
 
 def test_cuda_refuses_a_gqa_group_beyond_its_kernels() -> None:
@@ -65,15 +72,15 @@ def test_cuda_refuses_a_gqa_group_beyond_its_kernels() -> None:
     config = raw_config(CudaBackend(), dtype="float32", block_size=16, num_heads=32,
                         num_kv_heads=2)
     with pytest.raises(ValueError, match="GQA group 16 .*cuda backend's max_gqa_group=8"):
-        CudaBackend().check_and_update_config(config)
+        _engine_check(CudaBackend(), config)
 
 
 def test_max_model_len_beyond_max_context_len_is_refused() -> None:
     backend = _limited(max_context_len=1024)
-    backend.check_and_update_config(_config_for(backend, tiny_config("llama"), 1024))
+    _engine_check(backend, _config_for(backend, tiny_config("llama"), 1024))
     with pytest.raises(ValueError, match=r"max_model_len=2048 exceeds the limited backend's "
                                          r"max_context_len=1024; pass max_model_len <= 1024"):
-        backend.check_and_update_config(_config_for(backend, tiny_config("llama"), 2048))
+        _engine_check(backend, _config_for(backend, tiny_config("llama"), 2048))
 
 
 # the families the repository's tests run (tests/models, the backend legs); cuda/rocm also run
@@ -88,11 +95,9 @@ BUILTIN: list[type[Backend]] = [CpuBackend, CudaBackend, RocmBackend, TpuBackend
 @pytest.mark.parametrize("arch", ARCHS)
 def test_builtin_declarations_admit_the_tested_models(backend_cls: type[Backend],
                                                       arch: str) -> None:
-    from pagedllm.backends.interface import _check_attention_limits
-
     backend = backend_cls()
     config = _config_for(backend, tiny_config(arch))
-    _check_attention_limits(backend.name, backend.capabilities, config)
+    check_attention_limits(config, backend)
 
 
 def test_defaults_are_the_safe_set() -> None:

@@ -173,9 +173,12 @@ def test_no_swap_is_declared_and_enforced() -> None:
     config = raw_config(backend, dtype="float32", block_size=16)
     backend.check_and_update_config(config)
     assert config.cache.swap_space_gib == 0.0
-    with pytest.raises(ValueError, match="swap"):
-        backend.check_and_update_config(raw_config(backend, dtype="float32", block_size=16,
-                                                   preemption_mode="swap"))
+    from pagedllm.engine.config_validation import check_backend
+
+    swapping = raw_config(backend, dtype="float32", block_size=16, preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode='swap' is not supported by the tpu"):
+        backend.check_and_update_config(swapping)
+        check_backend(swapping, backend)
     with pytest.raises(NotImplementedError, match="recompute"):
         XlaCacheOps().swap_blocks([], [], torch.tensor([[0, 1]]))
 

@@ -84,9 +84,12 @@ def test_backend_refuses_undeclared_method(monkeypatch, tmp_path) -> None:
     backend = CpuBackend()
     monkeypatch.setattr(CpuBackend, "capabilities",
                         replace(CpuBackend.capabilities, quantizations=("gptq",)))
+    from pagedllm.engine.config_validation import validate_config
+
     with pytest.raises(ValueError, match=r"quantization='fp8' is not supported by the cpu backend; "
                                          r"backends that support it: .*"):
         backend.check_and_update_config(config)
+        validate_config(config, backend)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
