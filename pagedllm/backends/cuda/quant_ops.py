@@ -40,11 +40,21 @@ def int4_gpu_layout(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return qweight, scales, offsets
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 codes [T, K], float32 scales [T, 1]): dynamic per-token quantization
     (scale = amax / 448), as ``reference.fp8_per_token`` rounds it."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_fp8_rows`` in one Triton launch on a GPU (triton_fp8.py, bit-identical); the
+    torch ops elsewhere (``meta`` included)."""
+    if x.is_cuda:
+        from pagedllm.backends.cuda.triton_fp8 import fp8_rows as triton_fp8_rows
+
+        return triton_fp8_rows(x)
+    return torch_fp8_rows(x)
 
 
 # Routes: what a layer's layout allows (pure, any device) and what this machine runs (hardware).
