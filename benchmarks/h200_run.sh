@@ -63,7 +63,8 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
       -x --durations=5 2>&1 | tee "$OUT/kernels.log" | tail -15
     timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_backend.py \
       tests/backends/test_triton_sampling.py tests/backends/test_triton_moe.py \
-      tests/backends/test_triton_bitmask.py tests/quantization/test_fp8_kv_cache.py --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
+      tests/backends/test_triton_bitmask.py tests/backends/test_triton_fp8.py \
+      tests/quantization/test_fp8_kv_cache.py tests/engine/test_release.py --durations=5 2>&1 | tee "$OUT/cuda_backend.log" | tail -8
     ;;
   kernel)
     python benchmarks/gpu_kernel_check.py 2>&1 | tee "$OUT/kernel_check.log"
