@@ -67,3 +67,24 @@ def test_shutdown_frees_while_the_object_lives(llama_path: str) -> None:
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         run_once(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_two_sequential_engines_on_a_gpu(llama_path: str) -> None:
+    """Each engine sizes its KV cache to 90% of the GPU: the second one only fits if `del` and
+    `gc.collect()` gave the first one's memory back (graphs included)."""
+    def make_gpu() -> LLM:
+        return LLM(llama_path, device="cuda", dtype="float32", max_model_len=64,
+                   gpu_memory_utilization=0.9, enforce_eager=False)
+
+    llm = make_gpu()
+    first = run_once(llm)
+    del llm
+    gc.collect()
+    held = torch.cuda.memory_allocated()
+    assert held < 2**30, f"{held / 2**30:.1f} GiB still allocated after `del llm`"
+    second = make_gpu()
+    assert run_once(second) == first
+    second.shutdown()
+    assert torch.cuda.memory_allocated() < 2**30
