@@ -28,8 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 
 # Lowest first. An entry is a module ("pagedllm.config"), a package with everything below it
@@ -217,14 +215,12 @@ def test_every_module_has_a_layer() -> None:
         layer_of(name)  # raises, naming the module
 
 
-@pytest.mark.xfail(reason="issue 42: the contract package is being split out", strict=True)
 def test_no_import_runs_up_the_layers() -> None:
     up = upward_imports(import_graph())
     assert not up, ("imports running up the layers (LAYERS in tests/test_layers.py):\n"
                     + "\n".join(map(_describe, up)))
 
 
-@pytest.mark.xfail(reason="issue 42: the contract package is being split out", strict=True)
 def test_no_import_circles() -> None:
     graph = import_graph()
     found = circles(graph)

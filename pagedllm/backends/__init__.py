@@ -1,6 +1,9 @@
-"""Hardware backends: the plugin contract (interface.py, attention.py) and the built-in plugins."""
+"""Hardware backends: the built-in plugins (cpu/, cuda/, rocm/, tpu/, xpu/, hpu/).
 
-# The plugin contract's version, "major.minor". A plugin states the version it was written for
-# (``Backend.plugin_api_version``); the registry refuses a plugin of another major version. Minor
-# versions only add optional surface with safe defaults. The changelog is in docs/porting.md.
-PLUGIN_API_VERSION = "2.0"
+The plugin contract they implement is ``pagedllm.contract``. ``interface.py``, ``attention.py``,
+``registry.py`` and ``PLUGIN_API_VERSION`` here are its old import paths, kept for plugins
+written against them (docs/porting.md, "Compatibility promise").
+"""
+from pagedllm.contract.version import PLUGIN_API_VERSION
+
+__all__ = ["PLUGIN_API_VERSION"]

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from pagedllm import envs
 
 if TYPE_CHECKING:
-    from pagedllm.backends.interface import Backend
     from pagedllm.config import EngineConfig
+    from pagedllm.contract.backend import Backend
 
 # environment variables a worker inherits from the driver even where its own environment is
 # set up elsewhere (Ray actors): collective-library tuning and pagedllm's own switches
@@ -95,7 +95,7 @@ def verify_pipeline_parallel(config: EngineConfig, backend: Backend) -> None:
     if pp == 1:
         return
     if not backend.capabilities.pipeline_parallel:
-        from pagedllm.backends.registry import discover
+        from pagedllm.contract.registry import discover
 
         able = [i.name for i in discover().values()
                 if getattr(i, "cls", None) is not None and i.cls.capabilities.pipeline_parallel]

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.backends.registry import resolve_backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.registry import resolve_backend
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -18,7 +18,7 @@ from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
-from pagedllm.executor.base import make_executor
+from pagedllm.executor.factory import make_executor
 from pagedllm.models.layers.attention import model_sliding_window
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams

@@ -36,7 +36,7 @@ FLAG_HELP: dict[str, str] = {
 
 def backend_facts() -> list[dict[str, Any]]:
     """One dict per known backend: identity, status, plugin API version, capabilities."""
-    from pagedllm.backends.registry import discover
+    from pagedllm.contract.registry import discover
 
     out = []
     for info in discover().values():
@@ -61,7 +61,7 @@ def backends_table() -> list[list[str]]:
         if "capabilities" not in f:
             rows.append([f["name"], f["source"], status, "-", "-"])
             continue
-        from pagedllm.backends.interface import Capabilities
+        from pagedllm.contract.capabilities import Capabilities
 
         caps = Capabilities(**{k: tuple(v) if isinstance(v, list) else v
                                for k, v in f["capabilities"].items()})

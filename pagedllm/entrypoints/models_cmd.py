@@ -9,7 +9,7 @@ def models_table() -> list[list[str]]:
     """Rows [architecture, features, backends for every config, backends only for configs that
     leave the features off]; the first row is the header. A backend counts when it loads; it
     runs every config when it declares each feature (``Capabilities.attention_features``)."""
-    from pagedllm.backends.registry import discover
+    from pagedllm.contract.registry import discover
     from pagedllm.models.registry import MODEL_REGISTRY
 
     backends = [info for info in discover().values() if info.cls is not None]

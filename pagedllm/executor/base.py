@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.worker.pending import PendingOutputs
 
@@ -78,23 +78,3 @@ class MultiWorkerExecutor(Executor):
         """Each rank's pipeline steps since the last call, (start, end) on the host's monotonic
         clock (benchmarks/pp_timeline.py)."""
         return self._call("stage_timeline")
-
-
-def make_executor(config: EngineConfig, backend: Backend) -> Executor:
-    from pagedllm.distributed.utils import verify_pipeline_parallel
-
-    verify_pipeline_parallel(config, backend)  # before any worker starts
-    kind = config.parallel.distributed_executor_backend
-    if kind == "uni":
-        from pagedllm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config, backend)
-    if kind == "mp":
-        from pagedllm.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, backend)
-    if kind == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config, backend)
-    raise ValueError(f"distributed_executor_backend={kind!r}: allowed values are uni, mp, ray")

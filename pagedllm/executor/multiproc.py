@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import RemoteFailure, WorkerDiedError, WorkerError, exit_reason
 from pagedllm.distributed.utils import (forwarded_env, get_open_port, loopback_interface,

@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.backends.interface import Backend
 from pagedllm import envs
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import WorkerDiedError, WorkerError
 from pagedllm.distributed.utils import (available_cpus, forwarded_env, get_open_port,

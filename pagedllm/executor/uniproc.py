@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.executor.base import Executor
 

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.layers.linear import LayerContext, QKVParallelLinear, RowParallelLinear
 from pagedllm.models.layers.pipeline import (PPMissingLayer, empty_intermediate, is_pp_missing,
                                              make_layers)
 from pagedllm.models.layers.rotary import RotaryEmbedding
+from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.loader_utils import load_named_weights
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.activation import get_act_fn
 from pagedllm.models.layers.attention import Attention
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.attention import Attention, layer_sliding_window
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import (LayerContext, MergedColumnParallelLinear,

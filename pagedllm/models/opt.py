@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.attention import Attention
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, LayerContext, QKVParallelLinear,

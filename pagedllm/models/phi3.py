@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.attention import AttentionMetadata
-from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.rotary import rotate_qkv
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.loader_utils import split_fused
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 
 

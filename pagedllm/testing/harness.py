@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl
-from pagedllm.backends.interface import Backend
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
+from pagedllm.contract.attention import AttentionImpl
+from pagedllm.contract.backend import Backend
 
 # every dtype the engine knows; a backend declares a subset in capabilities.dtypes
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 from pagedllm.core.batch import ScheduledSeq
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import build_metadata

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.interface import Backend
+from pagedllm.contract.backend import Backend
 from pagedllm.testing.harness import garbage_cache, make_attention, torch_dtype
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="timed runs per operation (median)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
-    from pagedllm.backends.registry import resolve_backend
+    from pagedllm.contract.registry import resolve_backend
 
     backend = resolve_backend(args.device)
     dtype = args.dtype or backend.default_dtype

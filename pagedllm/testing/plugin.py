@@ -20,7 +20,8 @@ from pagedllm.testing.report import NOT_DECLARED, CheckDims, Coverage, capabilit
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.backends.interface import Backend, Capabilities
+    from pagedllm.contract.backend import Backend
+    from pagedllm.contract.capabilities import Capabilities
 
 SUITE_PREFIX = "pagedllm.testing."
 DEFAULT_DEVICE = "cpu"
@@ -100,7 +101,7 @@ def _backend_class(config: pytest.Config) -> type[Backend] | None:
     """The class registered under --device, or None when it is unknown or failed to load."""
     if _BACKEND_CLS not in config.stash:
         try:
-            from pagedllm.backends.registry import discover
+            from pagedllm.contract.registry import discover
 
             info = discover().get(device_name(config))
             config.stash[_BACKEND_CLS] = info.cls if info is not None else None
@@ -111,7 +112,7 @@ def _backend_class(config: pytest.Config) -> type[Backend] | None:
 
 def _check_backend(config: pytest.Config) -> None:
     """Stop the run at once, with the registry's reason, when --device cannot run here."""
-    from pagedllm.backends.registry import discover
+    from pagedllm.contract.registry import discover
 
     name = device_name(config)
     try:
@@ -242,7 +243,7 @@ def _backend_facts(cls: type[Backend]) -> dict[str, Any]:
     import torch
 
     import pagedllm
-    from pagedllm.backends import PLUGIN_API_VERSION
+    from pagedllm.contract.version import PLUGIN_API_VERSION
     from pagedllm.testing.report import git_commit
 
     return {"commit": git_commit(os.path.dirname(os.path.dirname(pagedllm.__file__))),
@@ -372,7 +373,7 @@ def conformance_device_name(pytestconfig: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def conformance_backend(conformance_device_name: str) -> Backend:
     """An instance of the backend under test, resolved by name like ``--device NAME``."""
-    from pagedllm.backends.registry import resolve_backend
+    from pagedllm.contract.registry import resolve_backend
 
     return resolve_backend(conformance_device_name)
 

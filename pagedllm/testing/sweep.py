@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.backends.interface import Capabilities
+    from pagedllm.contract.capabilities import Capabilities
 
 # head sizes models ship with (Phi-2 80, Falcon/GPT-J 96, 112 some Qwen variants, Gemma 256)
 CANDIDATE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 256)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.backends.attention import AttentionImpl
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.attention import AttentionImpl
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.harness import garbage_cache, make_attention, torch_dtype
 from pagedllm.testing.metrics import assert_close
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec

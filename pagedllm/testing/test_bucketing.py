@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.e2e import MAX_TOKENS, first_mismatch
 
 AREA = "bucketing (static shapes)"

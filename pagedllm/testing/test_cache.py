@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.backends.interface import Backend
+from pagedllm.contract.backend import Backend
 from pagedllm.testing.harness import cache_shape, make_attention, nan_cache, torch_dtype
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.backends.interface import Capabilities
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.e2e import engine_greedy, first_mismatch
 from pagedllm.testing.test_e2e import started_llm
 

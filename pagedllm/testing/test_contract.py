@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.backends.attention import AttentionImpl
-from pagedllm.backends.interface import Backend, CacheOps, Capabilities
+from pagedllm.contract.attention import AttentionImpl
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.cache_ops import CacheOps
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.harness import ENGINE_DTYPES, make_attention, raw_config
 
 AREA = "contract"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.backends.interface import Capabilities
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.e2e import MAX_TOKENS, blocks_needed, engine_greedy, first_mismatch
 from pagedllm.testing.invariants import assert_drained
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.backends.interface import Backend
-from pagedllm.models.layers import ops as reference
-from pagedllm.models.layers.ops import Ops
+from pagedllm.contract.backend import Backend
+from pagedllm.reference import ops as reference
+from pagedllm.reference.ops import Ops
 from pagedllm.testing.harness import tolerance, torch_dtype
 
 AREA = "model ops"

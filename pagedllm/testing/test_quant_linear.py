@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.backends.interface import Backend
-from pagedllm.models.layers.ops import Ops
-from pagedllm.models.layers.quantization.base import ACT_FP8_PER_TOKEN
-from pagedllm.models.layers.quantization.reference import dequantize_weight, fp8_per_token
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.quantization import ACT_FP8_PER_TOKEN
 from pagedllm.models.layers.quantization.synthetic import LAYOUTS, SyntheticLinear
+from pagedllm.reference.ops import Ops
+from pagedllm.reference.quant import dequantize_weight, fp8_per_token
 from pagedllm.testing.harness import tolerance, torch_dtype
 
 AREA = "quantized linears"

@@ -4,14 +4,11 @@ the logprobs a request sees are those of the edited distribution)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.worker.host_copy import to_device
-
-if TYPE_CHECKING:
-    from pagedllm.worker.sampler import SampleRow
+from pagedllm.worker.sample_row import SampleRow
 
 # (logits [rows, vocab] float, bitmask [rows, ceil(vocab / 32)] int32) -> None, in place
 ApplyTokenBitmask = Callable[[torch.Tensor, torch.Tensor], None]

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.core.batch import PENDING_TOKEN, ScheduledBatch, ScheduledSeq, SeqOutput
 from pagedllm.distributed.parallel_state import PPGroup
 from pagedllm.worker.host_copy import to_device
-from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.logits_controls import ApplyTokenBitmask
+from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.sampler import GreedyLogprobs, Sampler, SampleRow
 
 BUSY_HISTORY = 100_000  # steps of a stage's timeline kept

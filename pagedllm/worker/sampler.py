@@ -8,29 +8,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from pagedllm.core.batch import Sample
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.logits_controls import ApplyTokenBitmask, apply_logits_controls
-from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.worker.sample_row import SampleRow
 
 _MASK = float("-inf")
-
-
-@dataclass
-class SampleRow:
-    """One row of logits to sample ``num_samples`` tokens from."""
-
-    params: SamplingParams
-    num_samples: int
-    seq_index: int
-    output_len: int
-    history: list[int] | None  # prompt + outputs, when penalties need it
-    prompt_len: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,7 +180,7 @@ class Sampler:
         a torch reference, or a backend's fused kernel); None: every step takes the general
         path below. ``apply_token_bitmask``: the op that masks guided rows (default: the
         ops table's torch reference)."""
-        from pagedllm.models.layers.ops import apply_token_bitmask as reference_bitmask
+        from pagedllm.reference.ops import apply_token_bitmask as reference_bitmask
 
         self.device = device
         self.generator = torch.Generator(device=generator_device(device)).manual_seed(seed)

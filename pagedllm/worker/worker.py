@@ -12,14 +12,14 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagedllm.backends.interface import Backend
 from pagedllm.config import EngineConfig
+from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.models.layers.linear import LayerContext
-from pagedllm.models.layers.ops import Ops
 from pagedllm.models.layers.pipeline import get_pp_indices
 from pagedllm.models.loader import load_model
+from pagedllm.reference.ops import Ops
 from pagedllm.worker.host_memory import lazy_zeros
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.pending import PendingOutputs

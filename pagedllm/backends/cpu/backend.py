@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.backends.attention import AttentionImpl
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.attention import AttentionImpl
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
-    from pagedllm.models.layers.ops import Ops
-    from pagedllm.worker.worker import Worker
+    from pagedllm.reference.ops import Ops
 
 logger = logging.getLogger(__name__)
 ATTENTION_CHOICES = ("native", "torch", "ipex")
@@ -34,6 +34,7 @@ class CpuBackend(Backend):
                                 dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True,
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
                                 kv_cache_dtypes=("auto", "fp8"))
+    worker_class = "pagedllm.backends.cpu.worker:CpuWorker"
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
 
@@ -73,7 +74,7 @@ class CpuBackend(Backend):
             load_cpu_kernels(*CORE)
             return CpuNativePagedAttention
         if choice == "torch":
-            from pagedllm.backends.cpu.attention import TorchPagedAttention
+            from pagedllm.reference.attention import TorchPagedAttention
 
             return TorchPagedAttention
         if choice == "ipex":  # intel_extension_for_pytorch's CPU build (imported when used)
@@ -121,11 +122,6 @@ class CpuBackend(Backend):
         for name, fn in layer_ops(kernels).items():
             ops.register(name, fn)
         ops.register("apply_token_bitmask", bitmask.native_apply_token_bitmask(kernels))
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm.backends.cpu.worker import CpuWorker
-
-        return CpuWorker
 
 
 _fallback_logged = False

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.models.layers.ops import apply_token_bitmask as reference
+from pagedllm.reference.ops import apply_token_bitmask as reference
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.backends.cpu import ops as cpu_ops
 from pagedllm.backends.cpu.kernels import MOE, optional_cpu_kernels
-from pagedllm.models.layers.moe_ops import check_shapes, fused_moe_grouped, run_grouped
+from pagedllm.reference.moe import check_shapes, fused_moe_grouped, run_grouped
 
 PACKED = "cpu_packed_experts"  # attribute of the w13 / w2 parameters: one packed linear per expert
 OP_WEIGHTS = "cpu_fused_moe_weights"  # attribute of w13: the C++ op's weight arguments

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
-from pagedllm.backends.cpu.attention import masked_attention
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
+from pagedllm.reference.attention import masked_attention
 
 _IPEX: Any = None
 

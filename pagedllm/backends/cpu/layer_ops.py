@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.models.layers import ops as reference
+from pagedllm.reference import ops as reference
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.attention import AttentionMetadata
-from pagedllm.backends.cpu.attention import TorchPagedAttention
 from pagedllm.backends.cpu.kernels import ATTENTION, load_cpu_kernels
 from pagedllm.backends.cpu.layer_ops import KERNEL_DTYPES
+from pagedllm.contract.attention import AttentionMetadata
+from pagedllm.reference.attention import TorchPagedAttention
 
 
 class CpuNativePagedAttention(TorchPagedAttention):

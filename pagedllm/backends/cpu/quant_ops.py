@@ -47,7 +47,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.backends.cpu import quant_lowp
 from pagedllm.backends.cpu.kernels import QUANT, optional_cpu_kernels
-from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
+from pagedllm.reference.quant import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 from pagedllm.backends.cuda import ops
 from pagedllm.backends.cuda.layer_ops import KERNEL_DTYPES
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 
 
 class CudaPagedAttention(AttentionImpl):

@@ -4,13 +4,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from pagedllm.backends.attention import AttentionImpl
-from pagedllm.backends.interface import Backend, Capabilities, CacheOps
+from pagedllm.contract.attention import AttentionImpl
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.cache_ops import CacheOps
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
-    from pagedllm.models.layers.ops import Ops
-    from pagedllm.worker.worker import Worker
+    from pagedllm.reference.ops import Ops
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class CudaBackend(Backend):
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
                                 # fp8 (e4m3) K/V: the torch attention reads them (eager)
                                 kv_cache_dtypes=("auto", "fp8"))
+    worker_class = "pagedllm.backends.cuda.worker:CudaWorker"
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
     warp_size: ClassVar[int] = 32
@@ -89,7 +91,7 @@ class CudaBackend(Backend):
 
             return CudaPagedAttention
         if choice == "torch":
-            from pagedllm.backends.cpu.attention import TorchPagedAttention
+            from pagedllm.reference.attention import TorchPagedAttention
 
             return TorchPagedAttention
         raise ValueError(f"attention_backend={choice!r} is not available on {self.name}; "
@@ -131,11 +133,6 @@ class CudaBackend(Backend):
         from pagedllm.backends.cuda.cache_ops import KernelCacheOps
 
         return KernelCacheOps()
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm.backends.cuda.worker import CudaWorker
-
-        return CudaWorker
 
     def device_count(self) -> int:
         import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.backends.cuda import ops
-from pagedllm.backends.interface import CacheOps
+from pagedllm.contract.cache_ops import CacheOps
 
 
 KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.core.batch import ScheduledBatch
 from pagedllm.worker.model_runner import ModelInput
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs
-from pagedllm.models.layers import ops as reference
+from pagedllm.reference import ops as reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 GEMV_MAX_K = 16384  # csrc/ops.h kGemvMaxK

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.models.layers.moe_ops import check_shapes, select_experts
+from pagedllm.reference.moe import check_shapes, select_experts
 
 BLOCK_M = 16
 BLOCK_N = 32

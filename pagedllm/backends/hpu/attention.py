@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 from pagedllm.backends.hpu.flat_attention import (flat_blocks, flat_decode_attention,
                                                   padded_prefill_attention)
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 
 
 class HpuPagedAttention(AttentionImpl):

@@ -12,12 +12,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from pagedllm.backends.hpu import habana
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
-    from pagedllm.backends.attention import AttentionImpl
     from pagedllm.config import EngineConfig
-    from pagedllm.worker.worker import Worker
+    from pagedllm.contract.attention import AttentionImpl
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class HpuBackend(Backend):
                                 # flat_attention.py is plain torch (any head size); these are
                                 # the sizes of real models and of the tests' tiny ones
                                 head_sizes=(16, 32, 40, 64, 72, 80, 96, 112, 128, 192, 256))
+    worker_class = "pagedllm.backends.hpu.worker:HpuWorker"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -64,11 +65,6 @@ class HpuBackend(Backend):
         from pagedllm.backends.hpu.attention import HpuPagedAttention
 
         return HpuPagedAttention
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm.backends.hpu.worker import HpuWorker
-
-        return HpuWorker
 
     def synchronize(self) -> None:
         if self.torch_device == "hpu":

@@ -27,9 +27,9 @@ import importlib.util
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 from pagedllm import envs
 from pagedllm.backends.tpu.layout import SeqRows, ragged_layout, token_layout
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 
 KERNEL_ENV = "PAGEDLLM_TPU_KERNEL"  # "0" forces the gather path on a TPU (debugging)
 

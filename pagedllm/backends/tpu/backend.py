@@ -17,13 +17,14 @@ import os
 from typing import TYPE_CHECKING
 
 from pagedllm import envs
-from pagedllm.backends.interface import Backend, CacheOps, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.cache_ops import CacheOps
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
-    from pagedllm.backends.attention import AttentionImpl
     from pagedllm.config import EngineConfig
-    from pagedllm.models.layers.ops import Ops
-    from pagedllm.worker.worker import Worker
+    from pagedllm.contract.attention import AttentionImpl
+    from pagedllm.reference.ops import Ops
 
 ALLOW_CPU_ENV = "PAGEDLLM_TPU_ALLOW_CPU"
 INSTALL_HINT = "pip install torch-xla; on a TPU VM: pip install 'torch-xla[tpu]'"
@@ -45,6 +46,7 @@ class TpuBackend(Backend):
                                 dtypes=("bfloat16", "float32"), preferred_block_size=16,
                                 block_sizes=(16, 32, 64, 128), max_tensor_parallel_size=1,
                                 attention_features=("sliding_window", "logits_soft_cap"))
+    worker_class = "pagedllm.backends.tpu.worker:TpuWorker"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -88,7 +90,7 @@ class TpuBackend(Backend):
         from pagedllm.backends.tpu import ops as tpu_ops
 
         ops.register("linear", tpu_ops.linear)
-        from pagedllm.models.layers.moe_ops import fused_moe_dense
+        from pagedllm.reference.moe import fused_moe_dense
 
         ops.register("fused_moe", fused_moe_dense)  # static shapes for XLA
 
@@ -96,11 +98,6 @@ class TpuBackend(Backend):
         from pagedllm.backends.tpu.cache_ops import XlaCacheOps
 
         return XlaCacheOps()
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm.backends.tpu.worker import TpuWorker
-
-        return TpuWorker
 
     def synchronize(self) -> None:
         import torch_xla

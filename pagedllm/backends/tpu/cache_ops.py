@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.interface import CacheOps
 from pagedllm.backends.tpu.buckets import next_power_of_two
+from pagedllm.contract.cache_ops import CacheOps
 
 
 class XlaCacheOps(CacheOps):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 
 
 @dataclass

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
-    from pagedllm.backends.attention import AttentionImpl
     from pagedllm.config import EngineConfig
-    from pagedllm.worker.worker import Worker
+    from pagedllm.contract.attention import AttentionImpl
 
 IPEX_HINT = "pip install intel-extension-for-pytorch, the XPU build matching your torch"
 
@@ -37,6 +37,7 @@ class XpuBackend(Backend):
                                 # (Gemma 2's sliding ones) decodes in torch over the same cache
                                 # (cpu/ipex_attention.py: torch_decode)
                                 attention_features=("sliding_window", "logits_soft_cap"))
+    worker_class = "pagedllm.backends.xpu.worker:XpuWorker"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -64,16 +65,11 @@ class XpuBackend(Backend):
 
             return IpexPagedAttention
         if choice == "torch":
-            from pagedllm.backends.cpu.attention import TorchPagedAttention
+            from pagedllm.reference.attention import TorchPagedAttention
 
             return TorchPagedAttention
         raise ValueError(f"attention_backend={choice!r} is not available on xpu; "
                          "allowed: ipex, torch")
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm.backends.xpu.worker import XpuWorker
-
-        return XpuWorker
 
     def device_count(self) -> int:
         import torch

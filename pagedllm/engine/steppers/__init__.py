@@ -16,8 +16,8 @@ from pagedllm.engine.steppers.pipelined import PipelinedStepper
 from pagedllm.engine.steppers.plain import PlainStepper
 
 if TYPE_CHECKING:
-    from pagedllm.backends.interface import Backend
     from pagedllm.config import EngineConfig
+    from pagedllm.contract.backend import Backend
     from pagedllm.engine.guided import GuidedManager
     from pagedllm.executor.base import Executor
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.linear import LayerContext
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
-from pagedllm.models.layers.ops import Ops
+from pagedllm.reference.ops import Ops
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 

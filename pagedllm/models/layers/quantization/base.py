@@ -20,10 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-# what activations go through before the matmul
-ACT_NONE = "none"
-ACT_FP8_PER_TOKEN = "fp8_per_token"  # dynamic e4m3, one scale per token (row)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+# what activations go through before the matmul (ACT_*), and the e4m3 range: the contract's
+from pagedllm.contract.quantization import ACT_FP8_PER_TOKEN, ACT_NONE, FP8_MAX  # noqa: F401
 
 
 class QuantizationConfig:

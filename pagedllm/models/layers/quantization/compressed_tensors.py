@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.models.layers.quantization.base import (ACT_FP8_PER_TOKEN, ACT_NONE,
-                                                     QuantizationConfig, config_value,
-                                                     expand_scale, group_by_module, unpack_int32)
+from pagedllm.contract.quantization import ACT_FP8_PER_TOKEN, ACT_NONE
+from pagedllm.models.layers.quantization.base import (QuantizationConfig, config_value,
+                                                      expand_scale, group_by_module, unpack_int32)
 
 METHOD = "compressed-tensors"
 FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.layers.quantization.base import FP8_MAX, QuantizationConfig
+from pagedllm.contract.quantization import FP8_MAX
+from pagedllm.models.layers.quantization.base import QuantizationConfig
 
 
 class Fp8Config(QuantizationConfig):

@@ -7,8 +7,8 @@ import types
 import torch
 from torch import nn
 
-from pagedllm.models.layers.quantization.base import (ACT_FP8_PER_TOKEN, ACT_NONE, FP8_MAX,
-                                                     QuantizationConfig, QuantParams)
+from pagedllm.contract.quantization import ACT_FP8_PER_TOKEN, ACT_NONE, FP8_MAX
+from pagedllm.models.layers.quantization.base import QuantizationConfig, QuantParams
 
 
 class SyntheticMethod(QuantizationConfig):

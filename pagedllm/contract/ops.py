@@ -1,0 +1,79 @@
+"""The op table's spec: the model ops a backend may replace, with the signature each must keep.
+
+The engine builds one table per worker with the torch references (pagedllm/reference/ops.py,
+written to reproduce Hugging Face transformers' float32 arithmetic) and hands it to
+``Backend.register_ops``, which replaces entries with ``table.register(name, fn)``. The
+conformance suite compares every replacement with its reference. Shapes: T tokens, H hidden,
+I intermediate, E experts, D head size.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class OpTable(Protocol):
+    """What ``Backend.register_ops`` receives. Each op is an attribute holding a function with
+    the signature below; ``OP_NAMES`` lists them in this order."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new residual); with ``residual``, normalizes ``x + residual``."""
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's (1 + w) RMSNorm, scale applied in float32: (normed, new residual)."""
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Neox-style rotary of x [T, heads, D]; cos/sin [T, D]."""
+
+    def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  gating_output: torch.Tensor, topk: int, renormalize: bool) -> torch.Tensor:
+        """Top-k routed SiLU-gated experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
+        gating_output [T, E] -> [T, H]."""
+
+    def fused_moe_prepare(self, experts: torch.nn.Module) -> None:
+        """Once per MoE block's experts after loading (e.g. to pre-pack their weights)."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]."""
+
+    def linear(self, x: torch.Tensor, layer: Any) -> torch.Tensor:
+        """x [T, in] @ layer.weight [out, in]^T (+ layer.bias)."""
+
+    def linear_prepare(self, layer: torch.nn.Module) -> None:
+        """Once per linear layer after its weights are loaded (e.g. to pre-pack them)."""
+
+    def greedy_logprobs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [rows, vocab] -> (argmax [rows] int64, its logprob [rows] float32)."""
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place: -inf where the packed ``bitmask`` [rows, ceil(vocab / 32)] int32 has a 0
+        bit (bit t % 32 of word t // 32 is token t)."""
+
+    def quant_linear(self, x: torch.Tensor, layer: Any) -> torch.Tensor:
+        """x [T, in] -> [T, out] with a quantized layer (contract/quantization.py's layout)."""
+
+    def quant_linear_prepare(self, layer: torch.nn.Module) -> None:
+        """Once per quantized linear after loading (a backend re-packs its weights here)."""
+
+    def register(self, name: str, fn: Callable[..., Any]) -> None:
+        """Replace op ``name`` (one of OP_NAMES) with ``fn``; ValueError for another name."""
+
+
+# the ops, in the order OpTable declares them
+OP_NAMES: tuple[str, ...] = tuple(
+    name for name, value in vars(OpTable).items()
+    if callable(value) and not name.startswith("_") and name != "register")
+
+
+def check_op_name(name: str) -> None:
+    """ValueError naming ``name`` and the known ops unless it is one of OP_NAMES."""
+    if name not in OP_NAMES:
+        raise ValueError(f"unknown op {name!r}; known ops: {', '.join(OP_NAMES)}")
