@@ -1,0 +1,363 @@
+"""Train the demo model's speculative-decoding proposers: a small draft model and an EAGLE head.
+
+    python tools/train_draft_model.py --corpus .carry/stdlib.jsonl.gz   # ~2.5 min on one GPU
+
+Both learn from the demo model (``--target``, default pagedllm/models/demo_model) on its own
+training split of the CPython standard library (tools/demo_data.py: the same held-out files),
+with its tokenizer, by distillation: the targets are the demo model's next-token
+distributions (and, for the head, its hidden states), computed on the fly by the frozen target.
+
+- the draft (``--out-draft``, default <target>/draft): a Llama with the target's vocabulary,
+  tied embeddings and head size 64, ``--draft-*`` shape; loss: cross-entropy against the
+  target's distribution;
+- the EAGLE head (``--out-eagle``, default <target>/eagle): vLLM's EAGLE-1 format for Llama
+  targets (``fc`` over concat(embedding of token i + 1, target hidden state at i), one decoder
+  layer without input norm, output = hidden + residual fed to the target's LM head; embedding
+  and LM head are the target's); loss: smooth-L1 to the target's next hidden state plus
+  cross-entropy against its next-token distribution, over two unrolled steps (the second reads
+  the head's own first-step predictions, as drafting beyond the first token does).
+
+Each writes config.json and model.safetensors (bf16) and metrics.json (held-out top-1
+agreement with the target per draft position and the mean accepted length it implies for
+k = 4 drafts); the run prints the shipped size (budget: 8 MB together). On CPU everything
+works at toy sizes (tests/spec_decode/test_train_tool.py runs it for seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import demo_data  # noqa: E402
+import train_demo_model as base  # noqa: E402
+
+log = logging.getLogger("train_draft_model")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_DIR = os.path.join(REPO, "pagedllm", "models", "demo_model")
+BUDGET_BYTES = 8 * 1024 * 1024
+K = 4  # drafts per step the reported acceptance length assumes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=DEMO_DIR, help="the target model folder")
+    p.add_argument("--out-draft", default=None, help="draft folder (default: <target>/draft)")
+    p.add_argument("--out-eagle", default=None, help="EAGLE head folder (default: <target>/eagle)")
+    p.add_argument("--what", default="draft,eagle", help="which to train: draft, eagle or both")
+    p.add_argument("--stdlib", default=demo_data.default_stdlib(), help="stdlib folder to read")
+    p.add_argument("--corpus", help="read the corpus from this file instead of --stdlib")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-hidden-size", type=int, default=128)
+    p.add_argument("--draft-layers", type=int, default=4)
+    p.add_argument("--draft-heads", type=int, default=2)
+    p.add_argument("--draft-kv-heads", type=int, default=1)
+    p.add_argument("--draft-intermediate-size", type=int, default=384)
+    p.add_argument("--eagle-intermediate-size", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-steps", type=int, default=0, help="per model (0: no limit)")
+    p.add_argument("--time-budget-s", type=float, default=70.0,
+                   help="training seconds per model (0: no limit)")
+    p.add_argument("--max-epochs", type=float, default=4.0,
+                   help="passes over the training tokens per model (0: no limit)")
+    p.add_argument("--eval-windows", type=int, default=64,
+                   help="held-out windows of --seq-len for the agreement figures")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.max_steps <= 0 and args.time_budget_s <= 0 and args.max_epochs <= 0:
+        p.error("give --max-steps, --time-budget-s or --max-epochs, so training ends")
+    args.what = [w.strip() for w in args.what.split(",") if w.strip()]
+    for w in args.what:
+        if w not in ("draft", "eagle"):
+            p.error(f"--what {w!r}: allowed values are draft, eagle")
+    args.out_draft = args.out_draft or os.path.join(args.target, "draft")
+    args.out_eagle = args.out_eagle or os.path.join(args.target, "eagle")
+    return args
+
+
+# --- data and target -----------------------------------------------------------------------
+def load_data(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The target's training split and held-out split, encoded with the target's tokenizer."""
+    from tokenizers import Tokenizer
+
+    corpus = (demo_data.read_corpus(args.corpus) if args.corpus
+              else demo_data.build_corpus(args.stdlib))
+    train_texts, heldout_texts = demo_data.split(corpus)
+    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
+    train = demo_data.encode_stream(tok, train_texts).astype(np.int32)
+    heldout = demo_data.encode_stream(tok, heldout_texts).astype(np.int32)
+    if len(train) < (args.batch_size + 1) * (args.seq_len + 1):
+        raise ValueError(f"{len(train)} training tokens are too few for a batch of "
+                         f"{args.batch_size} x {args.seq_len}; lower --batch-size or --seq-len")
+    log.info("data: %d train tokens, %d held out", len(train), len(heldout))
+    dev = torch.device(args.device)
+    return {"train": torch.as_tensor(train, device=dev),
+            "heldout": torch.as_tensor(heldout, device=dev)}
+
+
+def load_target(args: argparse.Namespace) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    model = model.to(args.device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def target_pass(target: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final hidden states [B, T, H] after the norm, logits [B, T, V]) of the frozen target."""
+    out = target.model(input_ids=tokens)
+    hidden = out.last_hidden_state
+    return hidden.float(), target.lm_head(hidden).float()
+
+
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the target's distribution (mean over positions)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(F.softmax(target_logits, dim=-1) * logp).sum(-1).mean()
+
+
+# --- the two students ----------------------------------------------------------------------
+def make_draft(args: argparse.Namespace, target: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = target.config
+    config = LlamaConfig(vocab_size=t.vocab_size, hidden_size=args.draft_hidden_size,
+                         num_hidden_layers=args.draft_layers,
+                         num_attention_heads=args.draft_heads,
+                         num_key_value_heads=args.draft_kv_heads,
+                         head_dim=args.draft_hidden_size // args.draft_heads,
+                         intermediate_size=args.draft_intermediate_size,
+                         max_position_embeddings=t.max_position_embeddings, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+                         initializer_range=0.02)
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(config).to(args.device)
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1 for training, parameter names as vLLM's checkpoint: ``fc``, ``layers.0.*``."""
+
+    def __init__(self, target: Any, intermediate_size: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer,
+                                                              LlamaRotaryEmbedding)
+
+        t = target.config
+        cfg = LlamaConfig(**{**t.to_dict(), "num_hidden_layers": 1,
+                             "intermediate_size": intermediate_size})
+        cfg._attn_implementation = "sdpa"
+        h = t.hidden_size
+        self.config = cfg
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, layer_idx=0)])
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(cfg)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """embeds/features [B, T, H] (the token at i + 1, the feature at i) -> [B, T, H]."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        pos = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        out = self.layers[0](x, attention_mask=None, position_ids=pos,
+                             position_embeddings=self.rotary(x, pos))
+        return out[0] if isinstance(out, tuple) else out
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items()
+                if not k.startswith("rotary") and "input_layernorm" not in k}
+
+
+def eagle_losses(head: EagleHead, target: Any, tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Two unrolled steps over [B, T + 1] tokens: step 1 reads the target's features, step 2
+    the head's own step-1 predictions (shifted: the prediction for i stands in for feature i).
+    Returns (loss, [top-1 agreement with the target per step])."""
+    feats, logits = target_pass(target, tokens)  # feature i predicts token i + 1
+    embeds = target.model.embed_tokens(tokens[:, 1:]).float()  # token i + 1
+    inp, want = feats[:, :-1], feats[:, 1:]  # head position i: (f_i, t_{i+1}) -> f_{i+1}
+    want_logits = logits[:, 1:]
+    loss, agree = 0.0, []
+    for step, weight in enumerate((1.0, 0.5)):
+        out = head(embeds, inp).float()
+        pred_logits = target.lm_head(out.to(target.lm_head.weight.dtype)).float()
+        loss = loss + weight * (F.smooth_l1_loss(out, want) + soft_ce(pred_logits, want_logits))
+        agree.append((pred_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().detach())
+        if step == 0:
+            inp = torch.cat([feats[:, :1], out[:, :-1]], dim=1)
+    return loss, agree  # type: ignore[return-value]
+
+
+def draft_loss(draft: Any, target: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
+    _, logits = target_pass(target, tokens)
+    pred = draft(input_ids=tokens).logits
+    agree = (pred.argmax(-1) == logits.argmax(-1)).float().mean().detach()
+    return soft_ce(pred, logits), [agree]
+
+
+# --- training and evaluation ---------------------------------------------------------------
+def train(name: str, model: nn.Module, loss_fn: Any, data: dict[str, torch.Tensor],
+          args: argparse.Namespace) -> dict[str, Any]:
+    """The demo trainer's loop (AdamW, warmup + cosine by the largest budget used)."""
+    autocast = base.autocast_for(torch.device(args.device))
+    opt = base.make_optimizer(model, args)
+    train_ids = data["train"]
+    tokens_per_step = args.batch_size * args.seq_len
+    step, start, history = 0, time.perf_counter(), []
+    used = base.budgets_used(0, 0.0, 0.0, args)
+    model.train()
+    for starts in base.batches(len(train_ids), args.seq_len, args.batch_size, args.seed,
+                               train_ids.device):
+        used = base.budgets_used(step, time.perf_counter() - start,
+                                 step * tokens_per_step / len(train_ids), args)
+        if max(used.values()) >= 1.0:
+            break
+        lr = args.lr * base.lr_factor(step, max(used.values()), args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with autocast():
+            loss, agree = loss_fn(base.windows(train_ids, starts, args.seq_len + 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % args.log_every == 0 or step == 1:
+            entry = {"step": step, "loss": loss.item(), "lr": lr,
+                     "agree": [a.item() for a in agree],
+                     "elapsed_s": time.perf_counter() - start}
+            history.append(entry)
+            log.info("%s step %d  loss %.4f  agreement %s  %.0fs", name, step, entry["loss"],
+                     " ".join(f"{a:.3f}" for a in entry["agree"]), entry["elapsed_s"])
+    model.eval()
+    return {"steps": step, "seconds": time.perf_counter() - start, "log": history,
+            "tokens": step * tokens_per_step, "stopped_by": max(used, key=used.get)}
+
+
+def expected_length(alphas: list[float], k: int = K) -> float:
+    """Mean tokens per verification for ``k`` drafts whose i-th is accepted with probability
+    alphas[min(i, len - 1)] given the ones before: 1 + sum over i of prod(alpha_1..alpha_i)."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= alphas[min(i, len(alphas) - 1)]
+        total += run
+    return total
+
+
+@torch.no_grad()
+def evaluate(loss_fn: Any, data: dict[str, torch.Tensor], args: argparse.Namespace) -> list[float]:
+    """Top-1 agreement with the target on held-out windows, per draft step."""
+    ids = data["heldout"]
+    n = min(args.eval_windows, (len(ids) - 1) // (args.seq_len + 1))
+    if n <= 0:
+        return []
+    starts = torch.arange(n, device=ids.device) * (args.seq_len + 1)
+    sums: list[float] = []
+    for i in range(0, n, args.batch_size):
+        with base.autocast_for(torch.device(args.device))():
+            _, agree = loss_fn(base.windows(ids, starts[i:i + args.batch_size], args.seq_len + 1))
+        part = len(starts[i:i + args.batch_size])
+        sums = [s + a.item() * part for s, a in zip(sums or [0.0] * len(agree), agree)]
+    return [s / n for s in sums]
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in ("config.json", "model.safetensors"))
+
+
+def save_draft(draft: Any, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    os.makedirs(args.out_draft, exist_ok=True)
+    draft.config.architectures = ["LlamaForCausalLM"]
+    draft.to(torch.bfloat16).save_pretrained(args.out_draft, safe_serialization=True)
+    for extra in ("generation_config.json",):
+        path = os.path.join(args.out_draft, extra)
+        if os.path.exists(path):
+            os.remove(path)
+    _finish(args.out_draft, report)
+
+
+def save_eagle(head: EagleHead, target: Any, args: argparse.Namespace,
+               report: dict[str, Any]) -> None:
+    sys.path.insert(0, REPO)
+    from pagedllm.spec_decode.checkpoints import eagle_config
+    from pagedllm.spec_decode.checkpoints import save_eagle as write
+
+    cfg = eagle_config(target.config, 1, intermediate_size=args.eagle_intermediate_size)
+    cfg["torch_dtype"] = "bfloat16"
+    write(args.out_eagle, cfg, {k: v.to(torch.bfloat16).cpu() for k, v in head.export().items()})
+    _finish(args.out_eagle, report)
+
+
+def _finish(path: str, report: dict[str, Any]) -> None:
+    with open(os.path.join(path, "metrics.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    for name in os.listdir(path):
+        os.chmod(os.path.join(path, name), 0o644)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    data = load_data(args)
+    target = load_target(args)
+    facts = {"target": os.path.basename(os.path.normpath(args.target)), "device":
+             torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+             "args": {k: v for k, v in vars(args).items()
+                      if k not in ("out_draft", "out_eagle", "target")}}
+    shipped = []
+    if "draft" in args.what:
+        draft = make_draft(args, target)
+        run = train("draft", draft, lambda t: draft_loss(draft, target, t), data, args)
+        agree = evaluate(lambda t: draft_loss(draft, target, t), data, args)
+        report = {**facts, "kind": "draft_model",
+                  "parameters": sum(p.numel() for p in draft.parameters()),
+                  "training": run, "heldout_top1_agreement": agree,
+                  "expected_mean_accepted_length_k4": expected_length(agree) if agree else None}
+        save_draft(draft, args, report)
+        shipped.append(args.out_draft)
+        log.info("draft: held-out agreement %s -> ~%.2f tokens per verification (k=%d)", agree,
+                 report["expected_mean_accepted_length_k4"] or 0, K)
+    if "eagle" in args.what:
+        head = EagleHead(target, args.eagle_intermediate_size).to(args.device)
+        run = train("eagle", head, lambda t: eagle_losses(head, target, t), data, args)
+        agree = evaluate(lambda t: eagle_losses(head, target, t), data, args)
+        report = {**facts, "kind": "eagle", "parameters": sum(p.numel() for p in head.export().values()),
+                  "training": run, "heldout_top1_agreement_by_step": agree,
+                  "expected_mean_accepted_length_k4": expected_length(agree) if agree else None}
+        save_eagle(head, target, args, report)
+        shipped.append(args.out_eagle)
+        log.info("eagle: held-out agreement by step %s -> ~%.2f tokens per verification (k=%d)",
+                 agree, report["expected_mean_accepted_length_k4"] or 0, K)
+    total = sum(folder_bytes(p) for p in shipped)
+    log.info("shipped weights: %.2f MB (%s; budget %.0f MB)", total / 2**20,
+             ", ".join(f"{p}: {folder_bytes(p) / 2**20:.2f} MB" for p in shipped),
+             BUDGET_BYTES / 2**20)
+    if total > BUDGET_BYTES:
+        log.warning("over the %.0f MB budget: shrink --draft-* or --eagle-intermediate-size",
+                    BUDGET_BYTES / 2**20)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
