@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.version import __version__
+from pagedllm.entrypoints.omp_env import set_spin_default
+
+set_spin_default()  # before anything imports torch: libgomp reads it once, when loaded
+
+from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from pagedllm.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import AsyncEngineArgs, EngineArgs

@@ -21,6 +21,7 @@ import signal
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -78,6 +79,21 @@ def _worker_main(conn: Connection, spec: WorkerSpec) -> None:
     os._exit(0)
 
 
+# (rank, spec, name) -> (its process, the driver's end of its pipe): how a rank is started
+Launcher = Callable[[int, WorkerSpec, str], tuple[Any, Connection]]
+
+
+def spawn_worker(rank: int, spec: WorkerSpec, name: str) -> tuple[Any, Connection]:
+    """The default launcher: a multiprocessing spawn child running _worker_main (fork is unsafe
+    once torch/CUDA threads exist)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name=name)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
 class _Submitted(PendingOutputs):
     """A submitted step; ``result()`` reads the replies of it and of every step before it."""
 
@@ -126,14 +142,14 @@ def _stop_workers(workers: list[_WorkerHandle], graceful: bool) -> None:
 
 
 class MultiprocExecutor(MultiWorkerExecutor):
-    def __init__(self, config: EngineConfig, backend: Backend) -> None:
+    def __init__(self, config: EngineConfig, backend: Backend,
+                 launcher: Launcher = spawn_worker) -> None:
         super().__init__(config, backend)
         n = config.parallel.world_size
         verify_tensor_parallel(config, backend, one_host=True)
         self.world_size = n
         self._error: BaseException | None = None
         self._submitted: deque[_Submitted] = deque()  # sent, replies not yet read (in order)
-        ctx = mp.get_context("spawn")  # fork is unsafe once torch/CUDA threads exist
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         env = forwarded_env()
         if backend.dist_backend == "gloo" and loopback_interface():
@@ -142,12 +158,8 @@ class MultiprocExecutor(MultiWorkerExecutor):
         self.workers: list[_WorkerHandle] = []
         for rank in range(n):
             spec = WorkerSpec(config, backend, rank, n, init_method, threads, env)
-            parent, child = ctx.Pipe(duplex=True)
             pp_rank, tp_rank = divmod(rank, config.parallel.tensor_parallel_size)
-            proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True,
-                               name=f"pagedllm-pp{pp_rank}-tp{tp_rank}")
-            proc.start()
-            child.close()
+            proc, parent = launcher(rank, spec, f"pagedllm-pp{pp_rank}-tp{tp_rank}")
             self.workers.append(_WorkerHandle(rank, proc, parent))
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers, True)
         try:

@@ -1,5 +1,6 @@
-"""The ``pagedllm`` command's OpenMP spin default (entrypoints/omp_env.py): set before torch
-loads libgomp, never over the user's choice, and seen by the engine process."""
+"""The OpenMP spin default (entrypoints/omp_env.py) of ``import pagedllm`` and the ``pagedllm``
+command: set before torch loads libgomp, never over the user's choice, and seen by the engine
+process."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ import pytest
 from pagedllm.entrypoints.omp_env import DEFAULT_SPINCOUNT, SPINCOUNT_ENV
 
 _PROBE = """
+{before}
 import json, os, sys
 from pagedllm.entrypoints.omp_env import set_spin_default
-{before}
 print(json.dumps({{"set": set_spin_default(), "value": os.environ.get("GOMP_SPINCOUNT")}}))
 """
 
@@ -28,7 +29,8 @@ def _probe(env_extra: dict[str, str], before: str = "") -> dict:
 
 
 def test_default_is_set_before_torch_loads() -> None:
-    assert _probe({}) == {"set": True, "value": DEFAULT_SPINCOUNT}
+    """``import pagedllm`` set it already (a second call finds it set)."""
+    assert _probe({}) == {"set": False, "value": DEFAULT_SPINCOUNT}
 
 
 @pytest.mark.parametrize("env_extra", [{SPINCOUNT_ENV: "300000"}, {"OMP_WAIT_POLICY": "active"}])
