@@ -4,10 +4,10 @@ New code imports from ``pagedllm.contract.backend``, ``.capabilities``, ``.cache
 ``.attention`` and ``.registry``; this module keeps plugins written against it running.
 """
 from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
-from pagedllm.contract.backend import Backend, _check_attention_limits, _check_quantization
+from pagedllm.contract.backend import Backend
 from pagedllm.contract.cache_ops import CacheOps, as_bytes
 from pagedllm.contract.capabilities import Capabilities
 from pagedllm.contract.registry import BackendInfo
 
 __all__ = ["AttentionImpl", "AttentionMetadata", "Backend", "BackendInfo", "CacheOps",
-           "Capabilities", "as_bytes", "_check_attention_limits", "_check_quantization"]
+           "Capabilities", "as_bytes"]

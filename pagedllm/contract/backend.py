@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, ClassVar
 from pagedllm.contract.attention import AttentionImpl
 from pagedllm.contract.cache_ops import CacheOps
 from pagedllm.contract.capabilities import Capabilities
-from pagedllm.contract.quantization import check_backend_support, resolve_method
 from pagedllm.contract.registry import load_class
 
 if TYPE_CHECKING:
@@ -56,31 +55,14 @@ class Backend(ABC):
 
     # --- optional, with safe defaults ----------------------------------------------------
     def check_and_update_config(self, config: EngineConfig) -> None:
-        """Adjust or reject the configuration for this hardware. The base resolves the dtype and
-        switches off features the capabilities rule out."""
+        """Adjust the configuration for this hardware (a backend adds its own adjustments, and
+        refusals only it can know, then calls this). The base resolves dtype "auto" and switches
+        off what the capabilities rule out. What the capabilities do not declare is refused by
+        the engine right after this hook, in one place (engine/config_validation.py)."""
         caps = self.capabilities
         model = config.model
         if model.dtype == "auto":
             model.dtype = self.auto_dtype(model.hf_config)
-        if model.dtype not in caps.dtypes:
-            raise ValueError(f"dtype={model.dtype!r} is not supported by the {self.name} backend; "
-                             f"supported: {', '.join(caps.dtypes)}")
-        _check_quantization(self.name, caps, config)
-        _check_attention_limits(self.name, caps, config)
-        if config.cache.block_size not in caps.block_sizes:
-            raise ValueError(f"block_size={config.cache.block_size} is not supported by the "
-                             f"{self.name} backend; supported: {caps.block_sizes}")
-        if config.cache.enable_prefix_caching and not caps.prefix_caching:
-            raise ValueError(f"enable_prefix_caching is not supported by the {self.name} backend")
-        if config.scheduler.enable_chunked_prefill and not caps.chunked_prefill:
-            raise ValueError(f"enable_chunked_prefill is not supported by the {self.name} backend")
-        tp = config.parallel.tensor_parallel_size
-        if caps.max_tensor_parallel_size is not None and tp > caps.max_tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tp} is not supported by the {self.name} backend "
-                             f"yet; use at most {caps.max_tensor_parallel_size}")
-        if config.scheduler.preemption_mode == "swap" and not caps.swap:
-            raise ValueError(f"preemption_mode='swap' is not supported by the {self.name} backend "
-                             "(it cannot swap KV blocks to host memory); use 'recompute'")
         if not caps.swap:
             config.cache.swap_space_gib = 0.0
         if not caps.graphs:
@@ -116,35 +98,3 @@ class Backend(ABC):
         """Wait for queued device work (timing, and step boundaries on lazy devices)."""
 
 
-def _check_quantization(backend: str, caps: Capabilities, config: EngineConfig) -> None:
-    """Resolve the model's quantization method (the checkpoint's, or the forced one) and refuse
-    one the backend does not run, or a KV-cache dtype it lacks."""
-    model = config.model
-    model.quantization = resolve_method(model.hf_config, model.quantization)
-    check_backend_support(model.quantization, backend, caps.quantizations)
-    cache_dtype = config.cache.cache_dtype
-    if cache_dtype != "auto" and cache_dtype not in caps.kv_cache_dtypes:
-        raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported by the {backend} "
-                         f"backend; supported: {', '.join(caps.kv_cache_dtypes)}")
-
-
-def _check_attention_limits(backend: str, caps: Capabilities, config: EngineConfig) -> None:
-    """Refuse a model outside the attention limits the backend declares (head sizes, GQA group,
-    context length), naming the field, the model's value and what the backend declares."""
-    model = config.model
-    if model.hf_config is not None:
-        head_size = model.get_head_size()
-        if head_size not in caps.head_sizes:
-            raise ValueError(f"head_size={head_size} (the model's) is not supported by the "
-                             f"{backend} backend; it declares head_sizes="
-                             f"{', '.join(map(str, caps.head_sizes))}")
-        heads, kv_heads = model.get_num_heads(), model.get_num_kv_heads()
-        group = heads // max(kv_heads, 1)
-        if caps.max_gqa_group is not None and group > caps.max_gqa_group:
-            raise ValueError(f"GQA group {group} (num_attention_heads={heads} / "
-                             f"num_key_value_heads={kv_heads}) exceeds the {backend} backend's "
-                             f"max_gqa_group={caps.max_gqa_group}")
-    if caps.max_context_len is not None and model.max_model_len > caps.max_context_len:
-        raise ValueError(f"max_model_len={model.max_model_len} exceeds the {backend} backend's "
-                         f"max_context_len={caps.max_context_len}; pass max_model_len <= "
-                         f"{caps.max_context_len}")

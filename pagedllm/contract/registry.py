@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.contract.version import PLUGIN_API_VERSION, api_incompatibility
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _builtin_present(target: str) -> bool:
 
 
 def _plugin_filter() -> set[str] | None:
-    raw = os.environ.get("PAGEDLLM_BACKENDS", "").strip()
+    raw = envs.PAGEDLLM_BACKENDS
     return {n.strip() for n in raw.split(",") if n.strip()} if raw else None
 
 

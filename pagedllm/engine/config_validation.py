@@ -23,6 +23,7 @@ def validate_config(config: EngineConfig, backend: Backend) -> str:
     check_backend(config, backend)
     check_tensor_parallel(config, backend)
     check_pipeline_parallel(config, backend, arch)
+    check_speculative(config, backend)
     return arch
 
 
@@ -31,6 +32,16 @@ def check_backend(config: EngineConfig, backend: Backend) -> None:
     the conformance suite asks of a plugin's declared capabilities."""
     check_capabilities(config, backend)
     check_attention_limits(config, backend)
+
+
+def check_speculative(config: EngineConfig, backend: Backend) -> None:
+    """speculative_config against the backend (multi-token decode), the layout and the target
+    (a draft sharing its vocabulary); resolves the method and the demo model's shipped
+    proposer (engine/speculative.py)."""
+    if config.speculative_config is not None:
+        from pagedllm.engine.speculative import check_speculative as check
+
+        check(config, backend)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -58,6 +69,9 @@ def check_capabilities(config: EngineConfig, backend: Backend) -> None:
     from pagedllm.models.layers.quantization import check_backend_support, resolve_method
 
     caps, name, model = backend.capabilities, backend.name, config.model
+    if model.dtype == "auto":
+        raise ValueError(f"dtype='auto' was not resolved: the {name} backend's "
+                         f"check_and_update_config must call the base class's, which resolves it")
     if model.dtype not in caps.dtypes:
         raise ValueError(f"dtype={model.dtype!r} is not supported by the {name} backend; "
                          f"supported: {', '.join(caps.dtypes)}")

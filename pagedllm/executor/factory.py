@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pagedllm.config import EngineConfig
 from pagedllm.contract.backend import Backend
-from pagedllm.distributed.utils import verify_pipeline_parallel
 from pagedllm.executor.base import Executor
 
 
 def make_executor(config: EngineConfig, backend: Backend) -> Executor:
-    verify_pipeline_parallel(config, backend)  # before any worker starts
     kind = config.parallel.distributed_executor_backend
     if kind == "uni":
         from pagedllm.executor import worker_process

@@ -31,7 +31,7 @@ from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import RemoteFailure, WorkerDiedError, WorkerError, exit_reason
 from pagedllm.distributed.utils import (forwarded_env, get_open_port, loopback_interface,
-                                        verify_tensor_parallel, worker_num_threads)
+                                        worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
 from pagedllm.executor.base import MultiWorkerExecutor
 from pagedllm.worker.pending import PendingOutputs
@@ -146,7 +146,6 @@ class MultiprocExecutor(MultiWorkerExecutor):
                  launcher: Launcher = spawn_worker) -> None:
         super().__init__(config, backend)
         n = config.parallel.world_size
-        verify_tensor_parallel(config, backend, one_host=True)
         self.world_size = n
         self._error: BaseException | None = None
         self._submitted: deque[_Submitted] = deque()  # sent, replies not yet read (in order)

@@ -26,7 +26,7 @@ from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
 from pagedllm.distributed.errors import WorkerDiedError, WorkerError
 from pagedllm.distributed.utils import (available_cpus, forwarded_env, get_open_port,
-                                        verify_tensor_parallel, worker_num_threads)
+                                        worker_num_threads)
 from pagedllm.distributed.worker_wrapper import WorkerSpec, WorkerWrapper
 from pagedllm.executor.base import MultiWorkerExecutor
 from pagedllm.worker.pending import PendingOutputs
@@ -125,7 +125,6 @@ class RayExecutor(MultiWorkerExecutor):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         super().__init__(config, backend)
         n = config.parallel.world_size  # tensor_parallel_size * pipeline_parallel_size
-        verify_tensor_parallel(config, backend, one_host=False)
         self.world_size = n
         self._error: BaseException | None = None
         self._sentinels: list[Any] = []

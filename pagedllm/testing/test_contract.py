@@ -72,8 +72,11 @@ def test_kv_cache_shape_indexes_blocks_on_dim_1(conformance_backend: Backend,
 
 def test_config_rejects_what_is_not_declared(conformance_backend: Backend,
                                              conformance_caps: Capabilities) -> None:
-    """check_and_update_config must refuse undeclared features with an error naming them
-    (a backend that overrides it has to keep calling the base class)."""
+    """What the backend does not declare is refused, naming it: by the engine's configuration
+    check (engine/config_validation.py) right after the backend's check_and_update_config hook,
+    which must leave the declared configuration as it is."""
+    from pagedllm.engine.config_validation import check_backend
+
     caps = conformance_caps
     dtype, bs = caps.dtypes[0], caps.preferred_block_size
     bad: list[tuple[str, dict]] = [("dtype", dict(dtype=d, block_size=bs))
@@ -91,6 +94,8 @@ def test_config_rejects_what_is_not_declared(conformance_backend: Backend,
         config = raw_config(conformance_backend, **kwargs)
         with pytest.raises(ValueError, match=word):
             conformance_backend.check_and_update_config(config)
+            check_backend(config, conformance_backend)
     ok = raw_config(conformance_backend, dtype=dtype, block_size=bs)
     conformance_backend.check_and_update_config(ok)
+    check_backend(ok, conformance_backend)
     assert ok.model.dtype == dtype and ok.cache.block_size == bs
