@@ -35,7 +35,7 @@ setup(
     packages=find_packages(include=["pagedllm", "pagedllm.*"]) + ["pagedllm._csrc"],
     package_dir={"pagedllm._csrc": "csrc"},
     # the built-in demo model (pagedllm/models/demo.py): weights, tokenizer, configs, model card
-    package_data={"pagedllm": ["py.typed", "models/demo_model/*.json",
+    package_data={"pagedllm": ["py.typed", "contract/manifest.json", "models/demo_model/*.json",
                                "models/demo_model/*.safetensors", "models/demo_model/README.md",
                                "models/demo_model/*.png"],
                   "pagedllm._csrc": ["*.py", "*.h", "*.cuh", "*.cu", "*.cpp", "cpu/*.cpp", "cpu/*.h"]},
