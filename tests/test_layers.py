@@ -14,9 +14,10 @@ module, so a cycle through it is a cycle of the design (and of the reader's unde
 ``TYPE_CHECKING`` import ties the module to the other's definitions in the same way. What does
 not count: names given to ``importlib`` as strings (the registry's ``"module:Class"`` tables,
 ``Backend.worker_class``): they are data a consumer resolves at run time, the plug-in mechanism
-itself; tests/contract/test_contract.py checks that each built-in string resolves. The implicit import of a
-parent package (``import a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py``) is not an edge
-of the importing module; each ``__init__.py`` is a module whose own imports are checked.
+itself (tests/contract/test_contract.py checks that each built-in string resolves). The implicit
+import of a parent package (``import a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py``) is
+not an edge of the importing module; each ``__init__.py`` is a module whose own imports are
+checked.
 
 ``python tests/test_layers.py`` prints the counts and every offending import.
 """

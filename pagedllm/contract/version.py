@@ -48,7 +48,8 @@ def api_incompatibility(stated: str | None, current: str | None = None) -> str |
     return None
 
 
-def warn_deprecated(member: str, since: str, removed_in: str, use: str, stacklevel: int = 3) -> None:
+def warn_deprecated(member: str, since: str, removed_in: str, use: str,
+                    stacklevel: int = 3) -> None:
     """Warn that contract member ``member`` (a dotted name) is deprecated since plugin API
     ``since`` and goes away in ``removed_in``; ``use`` names the replacement."""
     warnings.warn(f"{member} is deprecated since plugin API {since} and is removed in "

@@ -1,5 +1,6 @@
-"""Paged attention in vectorized torch: the reference every other backend is compared to, and the
-standard cache layout (``kv_cache_shape``, ``scatter_kv``) that the cpu, cuda and hpu backends share.
+"""Paged attention in vectorized torch: the reference every other backend is compared to, and
+the standard cache layout (``kv_cache_shape``, ``scatter_kv``) the cpu, cuda and hpu backends
+share.
 
 No Python loop per token or per sequence: decode gathers each sequence's blocks through its block
 table in one indexing op; prefill pads the packed queries to [num_prefills, max_query_len].

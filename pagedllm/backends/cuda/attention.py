@@ -9,6 +9,7 @@ import torch
 from pagedllm.backends.cuda import ops
 from pagedllm.backends.cuda.layer_ops import KERNEL_DTYPES
 from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
+from pagedllm.reference.attention import kv_cache_shape
 
 
 class CudaPagedAttention(AttentionImpl):
@@ -16,10 +17,7 @@ class CudaPagedAttention(AttentionImpl):
     # both in the decode kernel (csrc/paged_attention.cuh) and the Triton prefill
     supported_features = ("sliding_window", "logits_soft_cap")
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache_shape = staticmethod(kv_cache_shape)  # the standard layout (reference room)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:

@@ -22,15 +22,13 @@ import torch
 from pagedllm.backends.hpu.flat_attention import (flat_blocks, flat_decode_attention,
                                                   padded_prefill_attention)
 from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
+from pagedllm.reference.attention import kv_cache_shape, scatter_kv
 
 
 class HpuPagedAttention(AttentionImpl):
     name = "hpu-flat"
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache_shape = staticmethod(kv_cache_shape)  # the standard layout (reference room)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -41,10 +39,7 @@ class HpuPagedAttention(AttentionImpl):
         slots = torch.where(slots < 0, slots[:1].clamp_min(0), slots)  # pads duplicate row 0
         key = torch.where(pad, key[:1], key)
         value = torch.where(pad, value[:1], value)
-        k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
-        v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
-        v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+        scatter_kv(kv_cache, slots, key, value)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
