@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from pagedllm.entrypoints.openai.engine_client import child_pids as children
+from pagedllm.entrypoints.openai.lifecycle import child_pids as children
 
-STARTUP_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0  # a TP=2 server took ~140 s to start under a load of 17
 
 
 def free_port() -> int:
@@ -47,8 +47,9 @@ def wait_ready(server: Any) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+    logs = server.logs()
     server.stop()
-    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{server.logs()}")
+    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{logs}")
 
 
 class CliServer:

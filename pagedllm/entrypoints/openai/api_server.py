@@ -27,7 +27,8 @@ from pagedllm.entrypoints.openai.cli_args import (ServerSettings, make_arg_parse
                                                   validate_args)
 from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedllm.entrypoints.openai.launcher import serve_http
-from pagedllm.entrypoints.openai.lifecycle import skip_teardown_collections
+from pagedllm.entrypoints.openai.lifecycle import (child_pids, kill_process_tree,
+                                                   skip_teardown_collections)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import (ApiKeyAuth, BodySizeLimit, DrainGuard,
                                                     ServerState)
@@ -138,8 +139,7 @@ def build_engine(engine_args: AsyncEngineArgs, own_process: bool = True) -> Asyn
 
 def kill_engine(engine: AsyncEngineBase) -> None:
     """Stop the engine at once: its process (and workers), or this process's own workers."""
-    from pagedllm.entrypoints.openai.engine_client import (MPEngineClient, child_pids,
-                                                           kill_process_tree)
+    from pagedllm.entrypoints.openai.engine_client import MPEngineClient
 
     if isinstance(engine, MPEngineClient):
         engine.kill()

@@ -19,13 +19,13 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import signal
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.lifecycle import kill_process_tree
 from pagedllm.logger import configure_logging
 from pagedllm.engine.async_engine import (AsyncEngineBase, EngineDeadError, ModelInfo,
                                           base_engine_args)
@@ -331,23 +331,3 @@ class MPEngineClient(AsyncEngineBase):
             kill_process_tree(self._proc.pid)
             self._proc.join(5)
 
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it (Linux /proc; elsewhere just ``pid``)."""
-    for child in child_pids(pid):
-        kill_process_tree(child)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def child_pids(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found

@@ -22,6 +22,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -38,8 +39,6 @@ def watch_parent(grace_s: float = PARENT_GONE_GRACE_S) -> None:
         return
 
     def watch() -> None:
-        from pagedllm.entrypoints.openai.engine_client import child_pids, kill_process_tree
-
         parent.join()  # the parent's sentinel pipe closes when it exits, however it exits
         threading.Event().wait(grace_s)
         for child in child_pids(os.getpid()):
@@ -65,8 +64,6 @@ def stop_at_exit(process: Any) -> None:
     joins non-daemonic children and would wait for it forever."""
     def stop() -> None:
         if process.pid is not None and process.is_alive():
-            from pagedllm.entrypoints.openai.engine_client import kill_process_tree
-
             kill_process_tree(process.pid)
             process.join(5)
 
@@ -89,3 +86,25 @@ def skip_teardown_collections() -> None:
     """Freeze every live object so that the collections of the interpreter's teardown skip
     them (``exit_now`` for a process that must still run its ``atexit`` hooks)."""
     gc.freeze()
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (Linux /proc; elsewhere just ``pid``)."""
+    for child in child_pids(pid):
+        kill_process_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of the direct children of ``pid`` (Linux /proc; [] elsewhere)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found
