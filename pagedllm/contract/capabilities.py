@@ -35,6 +35,16 @@ class Capabilities:
     # "fp8"); the engine refuses others, naming the backends that support them
     quantizations: tuple[str, ...] = ()
     pipeline_parallel: bool = False  # runs stages of a pipeline (activations sent between ranks)
+    # (plugin API 2.1) the attention handles decode sequences of several query tokens, causal
+    # within, over their cached context (speculative decoding verifies k + 1 tokens a sequence;
+    # they run on the prefill-over-cached-context path). None: what prefix_caching or
+    # chunked_prefill imply, the path both need. The engine refuses speculative_config without it.
+    multi_token_decode: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.multi_token_decode is None:
+            object.__setattr__(self, "multi_token_decode",
+                               self.prefix_caching or self.chunked_prefill)
 
     def summary(self) -> str:
         flags = [name for name in ("graphs", "swap", "static_shapes", "prefix_caching",

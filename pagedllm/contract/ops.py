@@ -63,6 +63,19 @@ class OpTable(Protocol):
     def quant_linear_prepare(self, layer: torch.nn.Module) -> None:
         """Once per quantized linear after loading (a backend re-packs its weights here)."""
 
+    def rejection_sample(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                         num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                         is_greedy: torch.Tensor, uniform: torch.Tensor,
+                         noise: torch.Tensor) -> torch.Tensor:
+        """Speculative decoding's verification (plugin API 2.1): target_logits [B, K + 1, V]
+        float32 (row b's distribution at each verified position), draft_token_ids [B, K],
+        num_draft_tokens [B] int64, draft_probs [B, K, V] or None (deterministic drafts),
+        is_greedy [B] bool, and the caller's draws uniform [B, K] in [0, 1) and noise [B, V]
+        Exp(1) -> output_token_ids [B, K + 1] int64: the accepted drafts, one recovered or
+        bonus token, then -1. Random rows accept with probability min(1, p / q) and recover
+        from norm(max(0, p - q)); greedy rows emit the argmax run. Randomness comes only from
+        the draws (reference/rejection.py)."""
+
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         """Replace op ``name`` (one of OP_NAMES) with ``fn``; ValueError for another name."""
 

@@ -16,6 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.config_validation import validate_config
 from pagedllm.engine.guided import GuidedManager, validate_guided_params
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.speculative import SpeculativeDecoding
 from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.factory import make_executor
@@ -39,6 +40,8 @@ class EngineStats:
     num_swapped: int
     num_preemptions: int
     kv_cache_usage: float = 0.0
+    # speculative decoding's counters (spec_decode/metrics.py as_dict), None without it
+    spec_decode: dict | None = None
 
 
 class LLMEngine:
@@ -54,7 +57,11 @@ class LLMEngine:
         validate_config(config, self.backend)  # model, capabilities, parallel layout
         self.tokenizer = get_tokenizer(config.model.tokenizer)
         self.eos_token_ids = stop_token_ids_of(self.tokenizer, config.model.model)
-        self.executor = make_executor(config, self.backend)
+        # speculative decoding (engine/speculative.py): its workers, classes and stepper below
+        self.speculative = (SpeculativeDecoding(config, self.backend)
+                            if config.speculative_config is not None else None)
+        self.executor = make_executor(config, self.backend if self.speculative is None
+                                      else self.speculative.backend)
         num_device, num_host = self.executor.determine_num_blocks()
         if num_device <= 0:
             raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
@@ -67,12 +74,15 @@ class LLMEngine:
         # where the backend's attention runs the window (it then never reads them as keys)
         window = (model_sliding_window(config.model.hf_config, config.model.max_model_len)
                   if "sliding_window" in self.backend.capabilities.attention_features else None)
+        scheduler_cls, block_manager_cls = ((Scheduler, BlockManager) if self.speculative is None
+                                            else (self.speculative.scheduler_cls,
+                                                  self.speculative.block_manager_cls))
         self.schedulers = [
-            Scheduler(config.scheduler,
-                      BlockManager(config.cache.block_size, num_device, num_host,
-                                   enable_caching=config.cache.enable_prefix_caching,
-                                   sliding_window=window),
-                      can_swap=self.backend.capabilities.swap)
+            scheduler_cls(config.scheduler,
+                          block_manager_cls(config.cache.block_size, num_device, num_host,
+                                            enable_caching=config.cache.enable_prefix_caching,
+                                            sliding_window=window),
+                          can_swap=self.backend.capabilities.swap)
             for _ in range(config.parallel.pipeline_parallel_size)]
         self.scheduler = self.schedulers[0]
         self.block_manager = self.scheduler.block_manager
@@ -87,8 +97,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
         self._seq_ids = itertools.count()
         self._error: BaseException | None = None
-        self.stepper = make_stepper(config, self.backend, self.executor, self.schedulers,
-                                    self.guided)
+        self.stepper = (make_stepper(config, self.backend, self.executor, self.schedulers,
+                                     self.guided) if self.speculative is None
+                        else self.speculative.make_stepper(self.schedulers, self.executor,
+                                                           self.guided))
         logger.info("engine ready: backend=%s dtype=%s blocks=%d (host %d) block_size=%d "
                     "stepper=%s", self.backend.name, config.model.dtype, num_device, num_host,
                     config.cache.block_size, type(self.stepper).__name__)
@@ -281,7 +293,9 @@ class LLMEngine:
             num_waiting=sum(len(x.waiting) for x in self.schedulers),
             num_swapped=sum(len(x.swapped) for x in self.schedulers),
             num_preemptions=sum(x.num_preemptions for x in self.schedulers),
-            kv_cache_usage=sum(b.usage() for b in bms) / len(bms))
+            kv_cache_usage=sum(b.usage() for b in bms) / len(bms),
+            spec_decode=(self.stepper.metrics.as_dict() if self.speculative is not None
+                         else None))
 
     def shutdown(self) -> None:
         """Stop the workers and release the model and KV cache (device memory too);

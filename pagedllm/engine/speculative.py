@@ -42,47 +42,59 @@ def demo_proposer_path(method: str, target: str) -> str | None:
     return os.path.join(DEMO_DIR, DEMO_PROPOSERS[method])
 
 
+def check_speculative(config: EngineConfig, backend: Any) -> None:
+    """Check ``config.speculative_config`` against the backend, the parallel layout and the
+    target, and resolve it in place (the demo model's shipped draft/head when no model is
+    given, the method of a config that named only a model). Called by validate_config."""
+    spec: SpeculativeConfig | None = config.speculative_config
+    if spec is None:
+        return
+    if not supports_multi_token_decode(backend):
+        raise ValueError(
+            f"speculative_config is not supported by the {backend.name} backend: verification "
+            "needs attention over decode sequences with more than one query token "
+            "(Capabilities.multi_token_decode), which it does not declare")
+    p = config.parallel
+    for name, value in (("tensor_parallel_size", p.tensor_parallel_size),
+                        ("pipeline_parallel_size", p.pipeline_parallel_size)):
+        if value != 1:
+            raise ValueError(f"speculative_config with {name}={value} is not supported yet; "
+                             f"use {name}=1")
+    if spec.method == "ngram":
+        return
+    if spec.model is None:
+        path = demo_proposer_path(spec.method or "", config.model.model)
+        if path is None:
+            raise ValueError(f"speculative_config.model is required for method {spec.method!r} "
+                             "(a local draft or head folder); only pagedllm-demo ships one")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"speculative_config: the demo model's {spec.method} proposer is "
+                             f"not in {path}; train it with `python tools/train_draft_model.py` "
+                             "or give speculative_config.model")
+        spec.model = path
+    from pagedllm.spec_decode.loading import check_draft_config, resolve_method
+
+    if not os.path.isdir(spec.model):
+        raise ValueError(f"speculative_config.model={spec.model!r} is not a local folder")
+    spec.method = resolve_method(spec)
+    check_draft_config(spec, config)
+
+
 class SpeculativeDecoding:
-    """Checks and resolves ``config.speculative_config`` against the engine (in place)."""
-
-    def __init__(self, config: EngineConfig, backend: Any) -> None:
-        spec: SpeculativeConfig = config.speculative_config
-        self.config = config
-        self.spec = spec
-        if not supports_multi_token_decode(backend):
-            raise ValueError(
-                f"speculative_config is not supported by the {backend.name} backend: "
-                "verification needs attention over decode sequences with more than one query "
-                "token (Capabilities.multi_token_decode), which it does not declare")
-        p = config.parallel
-        for name, value in (("tensor_parallel_size", p.tensor_parallel_size),
-                            ("pipeline_parallel_size", p.pipeline_parallel_size)):
-            if value != 1:
-                raise ValueError(f"speculative_config with {name}={value} is not supported yet;"
-                                 f" use {name}=1")
-        if spec.method != "ngram" and spec.model is None:
-            path = demo_proposer_path(spec.method or "", config.model.model)
-            if path is None:
-                raise ValueError(f"speculative_config.model is required for method "
-                                 f"{spec.method!r} (a local draft or head folder); only "
-                                 "pagedllm-demo ships one")
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise ValueError(f"speculative_config: the demo model's {spec.method} proposer "
-                                 f"is not in {path}; train it with `python "
-                                 "tools/train_draft_model.py` or give speculative_config.model")
-            spec.model = path
-        if spec.method != "ngram":
-            from pagedllm.spec_decode.loading import check_draft_config, resolve_method
-
-            if not os.path.isdir(spec.model or ""):
-                raise ValueError(f"speculative_config.model={spec.model!r} is not a local "
-                                 "folder")
-            spec.method = resolve_method(spec)
-            check_draft_config(spec, config)
-        logger.info("speculative decoding: %s", spec.describe())
+    """The mode's parts, chosen when the engine starts with a (checked) speculative_config:
+    scheduler and block manager classes, the backend whose workers carry the proposer, the
+    stepper."""
 
     scheduler_cls = SpecScheduler
     block_manager_cls = SpecBlockManager
+
+    def __init__(self, config: EngineConfig, backend: Any) -> None:
+        from pagedllm.spec_decode.worker import SpecBackend
+
+        self.config = config
+        self.spec: SpeculativeConfig = config.speculative_config
+        self.backend = SpecBackend(backend)
+        logger.info("speculative decoding: %s", self.spec.describe())
 
     def make_stepper(self, schedulers: list, executor: Any, guided: Any) -> Any:
         from pagedllm.engine.steppers.speculative import SpecStepper

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pagedllm.contract.ops import OP_NAMES, check_op_name
 from pagedllm.reference.moe import fused_moe, fused_moe_prepare
 from pagedllm.reference.quant import quant_linear, quant_linear_prepare
+from pagedllm.reference.rejection import rejection_sample
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -128,6 +129,9 @@ class Ops:
         self.quant_linear_prepare: Callable[[torch.nn.Module], None] = quant_linear_prepare
         self.apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = \
             apply_token_bitmask
+        # speculative decoding's verification (reference/rejection.py): target logits, drafts
+        # and the caller's random draws -> the tokens each sequence emits
+        self.rejection_sample: Callable[..., torch.Tensor] = rejection_sample
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         check_op_name(name)

@@ -1,5 +1,6 @@
-"""The rejection sampler of speculative decoding: its torch reference (an op of the ops table,
-``Ops.rejection_sample``; a backend may register a kernel, the conformance suite checks it).
+"""The rejection sampler of speculative decoding: its torch reference (the op table's
+``rejection_sample``, contract/ops.py; a backend may register a kernel, and the conformance
+suite's pagedllm/testing/test_spec_decode.py checks it, statistically too).
 
 Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per sequence b with
 ``n_b`` drafts x_1..x_n proposed from distributions q_1..q_n, and the target's distributions

@@ -57,6 +57,11 @@ def _sched(seq_id: int, tokens: list[int], start: int, table: list[int],
                         sampling_params=_PARAMS, num_samples=samples)
 
 
+def _drafts(s: MirrorSeq) -> bool:
+    """Whether the proposer drafts after ``s``'s sampled token this step."""
+    return s.num_drafts > 0 and s.new_token is not None
+
+
 def _layout(seqs: list[ScheduledSeq]) -> list[int]:
     """Batch order build_metadata needs (multi-token chunks first): indices into ``seqs``."""
     return sorted(range(len(seqs)), key=lambda i: 0 if seqs[i].num_tokens > 1 else 1)
@@ -101,7 +106,7 @@ class DeviceProposer(ABC):
         """``first(inputs) -> (logits of the drafting rows, state)`` runs the mirror pass;
         ``step(tokens, positions, state) -> (logits, state)`` one draft position for each
         drafting sequence. Greedy drafts (q = one-hot)."""
-        drafting = [s for s in seqs if s.num_drafts > 0 and s.new_token is not None]
+        drafting = [s for s in seqs if _drafts(s)]
         if not seqs:
             return {}
         logits, state = first(seqs)
@@ -163,11 +168,12 @@ class DraftModelProposer(DeviceProposer):
         return hidden, last
 
     def _mirror(self, seqs: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
-        batch = [_sched(s.seq_id, s.tokens + ([s.new_token] if s.new_token is not None else []),
+        # the sampled token is run only where drafting follows (its slot is reserved then);
+        # otherwise it runs as the first token of the sequence's next chunk
+        batch = [_sched(s.seq_id, s.tokens + ([s.new_token] if _drafts(s) else []),
                         s.start_pos, s.block_table, 1) for s in seqs]
         hidden, last = self._forward(batch)
-        rows = [last[i] for i, s in enumerate(seqs)
-                if s.num_drafts > 0 and s.new_token is not None]
+        rows = [last[i] for i, s in enumerate(seqs) if _drafts(s)]
         if not rows:
             return hidden[:0], None
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), None
@@ -295,7 +301,7 @@ class EagleProposer(DeviceProposer):
         if not batch:
             return features[:0], None
         out, feed, last = self._forward(batch, rows)
-        pick = [last[j] for j, s in enumerate(kept) if s.num_drafts > 0 and s.new_token is not None]
+        pick = [last[j] for j, s in enumerate(kept) if _drafts(s)]
         if not pick:
             return features[:0], None
         idx = torch.tensor(pick, device=self.device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.batch import Sample
-from pagedllm.models.layers.rejection_ops import PLACEHOLDER_TOKEN_ID
+from pagedllm.reference.rejection import PLACEHOLDER_TOKEN_ID
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.host_copy import to_device

@@ -202,8 +202,17 @@ def spec_worker_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def worker_class_for(config: Any, backend: Any) -> type:
-    """The class a worker of this engine is built from: the backend's, with speculative
-    decoding composed in when ``config.speculative_config`` is set."""
-    base = backend.worker_cls()
-    return base if config.speculative_config is None else spec_worker_class(base)
+class SpecBackend:
+    """A backend whose workers carry speculative decoding (``spec_worker_class`` of its worker
+    class); everything else is the backend's own. Picklable, for worker processes."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_backend":  # unpickling: not set yet
+            raise AttributeError(name)
+        return getattr(self._backend, name)
+
+    def worker_cls(self) -> type:
+        return spec_worker_class(self._backend.worker_cls())
