@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # CI leg "oot": the out-of-tree example backend (examples/oot_backend, device "toyaccel").
+# With an argument, another copy of it: .ci/leg_oot_prev.sh passes the frozen example of the
+# previous plugin API version (examples/oot_backend_api2.0), to run it against this engine.
 #
 # Installs the example with pip into a throwaway virtual environment layered on this one
 # (--system-site-packages: it sees the installed pagedllm and torch, while toyaccel stays out of
@@ -8,13 +10,18 @@
 #
 # Idempotent and fast on re-runs: the venv is reused and the example reinstalled only when its
 # pyproject.toml changed (the editable install picks up source edits by itself).
-# Env: PAGEDLLM_OOT_VENV (default: $TMPDIR/pagedllm-ci-oot-venv-<checkout hash>), PYTHON (python).
+# Usage: .ci/leg_oot.sh [EXAMPLE_DIR [PYTEST_ARGS...]] (default: examples/oot_backend, the
+# conformance suite with a report for the support matrix and all of test_plugins.py).
+# Env: PAGEDLLM_OOT_VENV (default: $TMPDIR/pagedllm-ci-oot-venv-<checkout and example hash>),
+#      PYTHON (python).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-EXAMPLE="$ROOT/examples/oot_backend"
-# one venv per checkout, so two checkouts never test each other's editable install
-CHECKOUT_ID="$(sha256sum <<< "$ROOT" | cut -c1-8)"
+EXAMPLE="$ROOT/${1:-examples/oot_backend}"
+[[ -f "$EXAMPLE/pyproject.toml" ]] || { echo "oot: $EXAMPLE has no pyproject.toml" >&2; exit 1; }
+shift $(( $# > 0 ? 1 : 0 ))
+# one venv per checkout and example, so two never test each other's editable install
+CHECKOUT_ID="$(sha256sum <<< "$ROOT $EXAMPLE" | cut -c1-8)"
 VENV="${PAGEDLLM_OOT_VENV:-${TMPDIR:-/tmp}/pagedllm-ci-oot-venv-$CHECKOUT_ID}"
 PY="${PYTHON:-python}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
@@ -39,7 +46,7 @@ STAMP="$VENV/.toyaccel-pyproject.sha256"
 WANT="$(cat "$EXAMPLE/pyproject.toml" <(echo "$EXAMPLE") | sha256sum | cut -d' ' -f1)"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]] \
     || ! "$VPY" -c "import pagedllm_toyaccel" 2>/dev/null; then
-  echo "oot: pip install -e examples/oot_backend"
+  echo "oot: pip install -e ${EXAMPLE#"$ROOT"/}"
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e "$EXAMPLE"
   echo "$WANT" > "$STAMP"
 fi
@@ -53,5 +60,8 @@ grep -q "^toyaccel .*pagedllm-toyaccel .*available" <<< "$TABLE" || {
   exit 1
 }
 
-"$VPY" -m pytest -q -p no:cacheprovider --pyargs pagedllm.testing tests/backends/test_plugins.py \
-  --device toyaccel ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/toyaccel.json"}
+if [[ $# -eq 0 ]]; then
+  set -- tests/backends/test_plugins.py \
+    ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/toyaccel.json"}
+fi
+"$VPY" -m pytest -q -p no:cacheprovider --pyargs pagedllm.testing --device toyaccel "$@"
