@@ -92,9 +92,10 @@ def format_table(rows: list[list[str]]) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("backends", help="list hardware backends and whether they are available")
     p.add_argument("--json", action="store_true",
-                   help="print every backend's facts and capabilities as JSON")
+                   help="print every backend's facts and capabilities as JSON (default: False)")
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="also list each backend's capabilities with what each flag means")
+                   help="also list each backend's capabilities with what each flag means "
+                        "(default: False)")
     p.set_defaults(func=run)
 
 

@@ -3,11 +3,24 @@ from __future__ import annotations
 
 import argparse
 
-SAMPLING_FLAGS = {  # flag -> (type, default); names as in SamplingParams
-    "max_tokens": (int, 64), "temperature": (float, 0.0), "top_p": (float, 1.0),
-    "top_k": (int, -1), "min_p": (float, 0.0), "n": (int, 1),
-    "presence_penalty": (float, 0.0), "frequency_penalty": (float, 0.0),
-    "repetition_penalty": (float, 1.0), "min_tokens": (int, 0),
+# flag -> (type, default, help); names and defaults as in SamplingParams, except greedy
+# (temperature 0) and 64 tokens
+SAMPLING_FLAGS: dict[str, tuple[type, object, str]] = {
+    "max_tokens": (int, 64, "most tokens to generate per completion"),
+    "temperature": (float, 0.0, "sampling temperature; 0 is greedy"),
+    "top_p": (float, 1.0, "nucleus sampling: keep the smallest set of tokens whose probabilities "
+                          "add up to this; 1 keeps all"),
+    "top_k": (int, -1, "keep the k most likely tokens; -1 keeps all"),
+    "min_p": (float, 0.0, "drop tokens less likely than this fraction of the most likely one; "
+                          "0 keeps all"),
+    "n": (int, 1, "completions per prompt"),
+    "presence_penalty": (float, 0.0, "subtracted from the logit of every token already "
+                                     "generated, in [-2, 2]"),
+    "frequency_penalty": (float, 0.0, "subtracted from a token's logit once per time it was "
+                                      "generated, in [-2, 2]"),
+    "repetition_penalty": (float, 1.0, "divides positive (multiplies negative) logits of tokens "
+                                       "in the prompt or output; 1 is none"),
+    "min_tokens": (int, 0, "tokens to generate before EOS or a stop string may end a completion"),
 }
 
 
@@ -15,13 +28,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
     p = sub.add_parser("generate", help="generate completions for prompts (offline)")
-    p.add_argument("prompts", nargs="*", help="prompt strings")
-    p.add_argument("--prompts-file", help="a file with one prompt per line")
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    for name, (kind, default) in SAMPLING_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
-    EngineArgs.add_cli_args(p)
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt strings")
+    p.add_argument("--prompts-file", help="a file with one prompt per line, added after the "
+                                          "PROMPTs (default: none)")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--stop", action="append", default=None,
+                          help="a stop string, repeatable (default: none)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating after the end-of-sequence token (default: False)")
+    for name, (kind, default, text) in SAMPLING_FLAGS.items():
+        sampling.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                              help=f"{text} (default: {default})")
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
     p.set_defaults(func=run)
 
 

@@ -44,7 +44,8 @@ class ServerSettings:
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help=f"a local Hugging Face checkpoint folder (default {DEMO_MODEL!r})")
-    parser.add_argument("--model", default=None, help="the same as the positional MODEL")
+    parser.add_argument("--model", default=None,
+                        help="the same as the positional MODEL (default: MODEL)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -61,7 +62,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs per request (default 20)")
     server.add_argument("--max-request-body-bytes", type=int, default=4 * MiB,
-                        help="larger request bodies get 413 (default 4 MiB)")
+                        help="larger request bodies get 413 (default 4194304: 4 MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     server.add_argument("--chat-template", default=None,
@@ -70,12 +71,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_structured_output_args(server)
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
                         help="run the engine in the server's process (a thread) instead of its "
-                             "own process")
+                             "own process (default: False)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (default info)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
-                        help="no access log line per HTTP request")
+                        help="no access log line per HTTP request (default: False)")
     add_engine_args(parser.add_argument_group("engine"), AsyncEngineArgs, skip=("model",))
     return parser
 
@@ -87,12 +88,13 @@ def add_structured_output_args(group: Any) -> None:
 
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide when to call tools (tool_choice 'auto', the "
-                            "default when a request has tools); needs --tool-call-parser")
+                            "default when a request has tools); needs --tool-call-parser "
+                            "(default: False)")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="how tool calls appear in this model's output")
+                       help="how tool calls appear in this model's output (default: none)")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return the <think>...</think> part of the output as "
-                            "reasoning_content")
+                            "reasoning_content (default: none, all of it is content)")
 
 
 def add_engine_args(parser: Any, cls: type[EngineArgs] = AsyncEngineArgs,
