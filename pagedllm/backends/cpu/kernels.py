@@ -115,7 +115,7 @@ def _load_one(name: str) -> None:
     build_dir = library_build_dir(name)
     logger.debug("loading %s from %s", name, build_dir)
     jit_load(name, sources, build_dir, is_python_module=False,
-             build_time=f"{len(sources)} source file(s), ~15-25 s of CPU each",
+             build_time=f"~{16 * len(sources)} CPU-seconds, {len(sources)} source file(s)",
              extra_cflags=flags, extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
              verbose=envs.PAGEDLLM_VERBOSE_BUILD)
 
