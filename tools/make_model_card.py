@@ -154,8 +154,12 @@ smoothing): what a model that ignores context can do.
 
 ## Sample completions
 
-Greedy decoding of the weights as shipped, {t['args']['sample_tokens']} new tokens at most; each
-block starts with its prompt:
+Greedy decoding by transformers in float32 (the {mod['dtype']} weights as shipped, upcast),
+{t['args']['sample_tokens']} new tokens at most; `pagedllm generate --dtype float32 --max-tokens
+{t['args']['sample_tokens']} PROMPT` prints the same. The command's default, `--dtype auto`, runs
+the checkpoint's {mod['dtype']}, which rounds differently and
+parts from these after a few lines (the repository README shows its output for the first
+prompt). Each block starts with its prompt:
 """]
     for s in m["samples"]:
         out.append(f"**`{s['prompt']!r}`**\n\n```python\n{s['prompt']}{s['completion']}\n```\n")
