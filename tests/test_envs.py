@@ -26,7 +26,8 @@ PY_DIRS = ("pagedllm", "benchmarks", "tools", "csrc", "tests", "examples")
 SHELL_FILES = ("*.sh", "run", "Dockerfile*")
 SHELL_DIRS = (".ci", "benchmarks", "docker", "examples")
 NAME = re.compile(r"_?PAGEDLLM_[A-Z0-9_]*[A-Z0-9]")
-SHELL_READ = re.compile(r"\$\{?(_?PAGEDLLM_[A-Z0-9_]*[A-Z0-9])|(?<![\w-])(_?PAGEDLLM_[A-Z0-9_]*[A-Z0-9])=")
+SHELL_READ = re.compile(r"\$\{?(_?PAGEDLLM_[A-Z0-9_]*[A-Z0-9])"  # $X, ${X...}
+                        r"|(?<![\w-])(_?PAGEDLLM_[A-Z0-9_]*[A-Z0-9])=")  # X=... (not -DX=)
 
 
 def names_in_python(source: str) -> set[str]:
@@ -98,7 +99,8 @@ def test_every_entry_is_used() -> None:
 
 
 def test_docs_are_generated_from_the_table() -> None:
-    spec = importlib.util.spec_from_file_location("gen_env_docs", ROOT / "tools" / "gen_env_docs.py")
+    spec = importlib.util.spec_from_file_location("gen_env_docs",
+                                                  ROOT / "tools" / "gen_env_docs.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     expected = tool.render(tool.load_envs())

@@ -71,9 +71,11 @@ def render(envs: ModuleType) -> str:
                       key=lambda v: v.name.lstrip("_"))
         if not rows:
             continue
-        out.append(f"\n## {title}\n\n| variable | values | default | what |\n| --- | --- | --- | --- |")
+        out.append(f"\n## {title}\n\n| variable | values | default | what |\n"
+                   "| --- | --- | --- | --- |")
         for v in rows:
-            out.append(f"| `{v.name}` | {_type(v)} | {_default(v)} | {v.doc.replace('|', chr(92) + '|')} |")
+            doc = v.doc.replace("|", "\\|")  # a bar inside a table cell
+            out.append(f"| `{v.name}` | {_type(v)} | {_default(v)} | {doc} |")
     return "\n".join(out) + "\n"
 
 

@@ -96,7 +96,8 @@ def test_model_feature_the_backend_lacks() -> None:
 def test_unknown_architecture() -> None:
     config = _config(CpuBackend())
     config.model.hf_config.architectures = ["NoSuchForCausalLM"]
-    with pytest.raises(ValueError, match="model architecture .*NoSuchForCausalLM.* is not supported"):
+    with pytest.raises(ValueError,
+                       match="model architecture .*NoSuchForCausalLM.* is not supported"):
         validate_config(config, CpuBackend())
 
 
