@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from pagedllm.core.scheduler import SchedulerOutput
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from pagedllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
+PER_REQUEST_HISTORY = 100_000
 
 
 def can_speculate(group: SequenceGroup) -> bool:
@@ -48,6 +50,9 @@ class SpecStepper(Stepper):
         self.ngram = NgramProposer(spec) if spec.method == "ngram" else None
         self.guard = SpecGuard(spec.disable_by_batch_size)
         self.metrics = SpecDecodeMetrics()
+        # request id -> [verifications, draft tokens, accepted drafts] (the most recent requests;
+        # benchmarks report per-request acceptance from it)
+        self.per_request: OrderedDict[str, list[int]] = OrderedDict()
 
     # --- limits ----------------------------------------------------------------------------
     def _room(self, group: SequenceGroup, seq: Sequence, length: int) -> int:
@@ -113,11 +118,22 @@ class SpecStepper(Stepper):
         bm: SpecBlockManager = sch.block_manager  # type: ignore[assignment]
         for s, (group, seq), out in zip(sched.batch.seqs, sched.entries, outputs):
             if s.num_spec_tokens and out.samples:
-                self.metrics.record(s.num_spec_tokens,
-                                    accept(seq, s.num_spec_tokens, len(out.samples)))
+                accepted = accept(seq, s.num_spec_tokens, len(out.samples))
+                self.metrics.record(s.num_spec_tokens, accepted)
+                self._per_request(group.request_id, s.num_spec_tokens, accepted)
             bm.trim(seq)
             if out.spec_token_ids and out.samples:
                 sch.set_drafts(seq, out.spec_token_ids, length=len(seq) + len(out.samples))
+
+    def _per_request(self, request_id: str, drafts: int, accepted: int) -> None:
+        entry = self.per_request.get(request_id)
+        if entry is None:
+            entry = self.per_request[request_id] = [0, 0, 0]
+            if len(self.per_request) > PER_REQUEST_HISTORY:
+                self.per_request.popitem(last=False)
+        entry[0] += 1
+        entry[1] += drafts
+        entry[2] += accepted
 
     def _measure(self, sched: SchedulerOutput, outputs: list[SeqOutput], seconds: float,
                  batch_size: int) -> None:
