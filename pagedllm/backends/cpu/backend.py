@@ -149,7 +149,7 @@ def _features_needed(config: EngineConfig) -> tuple[str, ...]:
 
     hf_config = getattr(getattr(config, "model", None), "hf_config", None)
     archs = [a for a in getattr(hf_config, "architectures", None) or [] if a in MODEL_REGISTRY]
-    # an unknown architecture is refused by the engine (registry.check_model_supported)
+    # an unknown architecture is refused by the engine (engine/config_validation.py)
     return MODEL_REGISTRY[archs[0]].features_needed(hf_config) if archs else ()
 
 
