@@ -52,6 +52,10 @@ setup(
         "pydantic>=2",
         "prometheus-client",
         "jinja2",
+        # structured output (response_format, guided_*, tool_choice required/named), as vLLM
+        # installs it; its wheels pull no torch of their own when torch is installed (tested:
+        # py3.11, torch 2.13.0+cpu)
+        "xgrammar>=0.2.9",
     ],
     extras_require={
         # triton: the cuda backend's Triton kernels are tested on CPU through its interpreter

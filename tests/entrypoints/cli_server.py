@@ -53,14 +53,15 @@ def wait_ready(server: Any) -> None:
 
 
 class CliServer:
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+                 ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *argv,
                "--device", "cpu", "--dtype", "float32", "--port", str(self.port),
                "--disable-uvicorn-access-log"]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         wait_ready(self)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pagedllm.engine.guided.compiler import GrammarCompileError, GrammarCompilerService
 from pagedllm.engine.guided.manager import GuidedManager
-from pagedllm.engine.guided.validate import validate_guided_params
+from pagedllm.engine.guided.validate import (GuidedBackendUnavailable, guided_backend_problem,
+                                             validate_guided_params)
 
-__all__ = ["GrammarCompileError", "GrammarCompilerService", "GuidedManager",
-           "validate_guided_params"]
+__all__ = ["GrammarCompileError", "GrammarCompilerService", "GuidedBackendUnavailable",
+           "GuidedManager", "guided_backend_problem", "validate_guided_params"]

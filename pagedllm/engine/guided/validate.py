@@ -2,10 +2,44 @@
 schema, regex or grammar fails that request at once with the field named (a 400 on the server)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from typing import Any
 
 from pagedllm.sampling_params import GuidedDecodingParams
+
+
+XGRAMMAR_REQUIREMENT = "xgrammar>=0.2.9"  # as setup.py's install_requires
+
+
+class GuidedBackendUnavailable(ImportError):
+    """The guided-decoding backend (xgrammar) is not installed or does not import: a request that
+    needs it cannot run here (the server answers 501), which says nothing about the request."""
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module; GuidedBackendUnavailable naming the package when it does not import."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise GuidedBackendUnavailable(
+            f"structured output (guided decoding) needs the xgrammar package, which does not "
+            f"import here ({exc}); install it: pip install '{XGRAMMAR_REQUIREMENT}'") from exc
+    return xgrammar
+
+
+def guided_backend_problem() -> str | None:
+    """Why structured output is unavailable (xgrammar not installed), or None; looks for the
+    package without importing it (the server's start-up check)."""
+    try:
+        found = importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        found = False
+    if found:
+        return None
+    return (f"the xgrammar package is not installed (pip install '{XGRAMMAR_REQUIREMENT}'), so "
+            "structured output (response_format json_schema/json_object, guided_*, tool_choice "
+            "required or named) is unavailable")
 
 
 # xgrammar's character class for strings with a length bound admits raw control characters,
@@ -30,8 +64,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def parse_grammar(params: GuidedDecodingParams) -> Any:
-    """The constraint as an ``xgrammar.Grammar``; ValueError naming the field when it is invalid."""
-    import xgrammar as xgr
+    """The constraint as an ``xgrammar.Grammar``; ValueError naming the field when it is invalid
+    (GuidedBackendUnavailable when xgrammar is not installed)."""
+    xgr = import_xgrammar()
 
     kind = params.kind
     try:

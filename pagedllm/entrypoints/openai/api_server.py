@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.engine.arg_utils import AsyncEngineArgs
 from pagedllm.engine.async_engine import AsyncEngineBase, AsyncLLMEngine
+from pagedllm.engine.guided import guided_backend_problem
 from pagedllm.entrypoints.openai.cli_args import (ServerSettings, make_arg_parser, server_settings,
                                                   validate_args)
 from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -163,6 +164,9 @@ def run_server(args: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as exc:
         logger.error("cannot start the server: %s", one_line(exc))
         return 1
+    problem = guided_backend_problem()
+    if problem:  # those requests get 501 naming the package (structured.py)
+        logger.warning("%s", problem)
     state = ServerState()
     app = build_app(engine, settings, state)
     logger.info("serving %s as %s on http://%s:%d%s", args.model, settings.served_model_names,

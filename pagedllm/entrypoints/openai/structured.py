@@ -3,10 +3,11 @@ extras, logit_bias and allowed_token_ids, turned into SamplingParams fields; a b
 400 naming its field."""
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
-from pagedllm.engine.guided import validate_guided_params
-from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.engine.guided import GuidedBackendUnavailable, validate_guided_params
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import SamplingRequest
 from pagedllm.sampling_params import GuidedDecodingParams
 
@@ -31,11 +32,14 @@ def guided_constraints(req: SamplingRequest) -> list[tuple[str, dict[str, Any]]]
 
 
 def build_guided(param: str, kwargs: dict[str, Any], req: SamplingRequest) -> GuidedDecodingParams:
-    """Validated params (the schema, regex or grammar parsed); 400 naming ``param`` if bad."""
+    """Validated params (the schema, regex or grammar parsed); 400 naming ``param`` if bad, 501
+    naming the package when the guided-decoding backend is not installed."""
     try:
         gd = GuidedDecodingParams(**kwargs, backend=req.guided_decoding_backend,
                                   whitespace_pattern=req.guided_whitespace_pattern)
         validate_guided_params(gd)
+    except GuidedBackendUnavailable as exc:
+        raise guided_unavailable(exc, param) from exc
     except ValueError as exc:
         message = str(exc)
         if "GuidedDecodingParams.backend" in message:
@@ -44,6 +48,12 @@ def build_guided(param: str, kwargs: dict[str, Any], req: SamplingRequest) -> Gu
             param = "guided_whitespace_pattern"
         raise bad_request(f"{param}: {message}", param) from exc
     return gd
+
+
+def guided_unavailable(exc: GuidedBackendUnavailable, param: str) -> OpenAIError:
+    """501: a valid request that this server cannot run (its install lacks xgrammar)."""
+    return OpenAIError(HTTPStatus.NOT_IMPLEMENTED, f"{param}: {exc}", param,
+                       code="guided_decoding_unavailable")
 
 
 def guided_decoding(req: SamplingRequest,
