@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.contract.version import PLUGIN_API_VERSION
+
 CPU_SUBCLASS = "from pagedllm.backends.cpu.backend import CpuBackend\n"
 PLUGINS = {
     # dist name: (entry-point name, module name, module source)
@@ -216,16 +218,18 @@ def test_incompatible_plugin_api_major_is_refused_with_the_reason(probe: dict) -
     old = probe["infos"]["oldaccel"]
     assert not old["loaded"] and old["availability"][0] is False
     reason = old["availability"][1]
-    assert reason.startswith("refused: written for plugin API 1.3") and "2.0" in reason, reason
+    assert reason.startswith("refused: written for plugin API 1.3") and \
+        f"implements {PLUGIN_API_VERSION}" in reason, reason
     rows = {ln.split()[0]: ln for ln in probe["table"].splitlines()[2:] if ln.strip()}
     assert "refused: written for plugin API 1.3" in rows["oldaccel"]
     assert probe["resolve_okaccel"] == {"value": "okaccel"}  # others unaffected
     cur = probe["infos"]["curaccel"]
     assert cur["loaded"] and cur["availability"][0] is True
     facts = {f["name"]: f for f in probe["json"]}
-    assert facts["curaccel"]["plugin_api_version"] == "2.0"
+    assert facts["curaccel"]["plugin_api_version"] == "2.0"  # a minor older than ours: loads
     assert facts["okaccel"]["plugin_api_version"] is None  # not stated: accepted, shown as such
-    assert facts["cpu"]["plugin_api_version"] == "2.0" and facts["cpu"]["capabilities"]["swap"]
+    assert facts["cpu"]["plugin_api_version"] == PLUGIN_API_VERSION
+    assert facts["cpu"]["capabilities"]["swap"]
 
 
 def test_entry_point_name_must_equal_backend_name(probe: dict) -> None:

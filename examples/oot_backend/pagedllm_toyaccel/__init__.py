@@ -3,4 +3,4 @@
 Importing this package imports nothing heavy; pagedllm loads ``backend.ToyAccelBackend`` through
 the ``pagedllm.backends`` entry point, and the attention and worker modules only when chosen.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"

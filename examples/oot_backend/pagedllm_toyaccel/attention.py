@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
+from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 
 
 def blockwise_attention(query: torch.Tensor, q_pos: torch.Tensor, seq_lens: torch.Tensor,

@@ -8,8 +8,9 @@ every choice below is one a real port makes:
   own attention (attention.py): one blockwise online-softmax kernel for prefill and decode;
 * cache copy/swap: the layout keeps blocks on dim 1, so the contract's reference ``CacheOps``
   already works and is not overridden;
-* its own worker (worker.py): pads every step to a power-of-two bucket (static shapes) and sizes
-  the KV cache from the device arena;
+* its own worker (worker.py), named by import string (``worker_class``, so the backend module
+  stays light): pads every step to a power-of-two bucket (static shapes) and sizes the KV cache
+  from the device arena;
 * capabilities it declares honestly: no chunked prefill, float32/bfloat16 only, block sizes 16
   and 32. The engine refuses configurations outside them, and the conformance suite skips (and
   reports) the checks for what is not declared.
@@ -19,12 +20,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
-    from pagedllm.backends.attention import AttentionImpl
     from pagedllm.config import EngineConfig
-    from pagedllm.worker.worker import Worker
+    from pagedllm.contract.attention import AttentionImpl
 
 DISABLE_ENV = "TOYACCEL_DISABLE"  # set to 1 to make the device "absent" (shows availability)
 
@@ -34,11 +35,12 @@ class ToyAccelBackend(Backend):
     torch_device = "cpu"  # a real port names its device: "xla", "xpu", "hpu", "privateuseone" ...
     dist_backend = "gloo"
     default_dtype = "float32"
-    plugin_api_version = "2.0"  # the pagedllm plugin API this port was written for
+    plugin_api_version = "2.1"  # the pagedllm plugin API this port was written for
     capabilities = Capabilities(graphs=False, swap=True, static_shapes=True, prefix_caching=True,
                                 chunked_prefill=False, dtypes=("float32", "bfloat16"),
                                 preferred_block_size=16, block_sizes=(16, 32),
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8)
+    worker_class = "pagedllm_toyaccel.worker:ToyAccelWorker"  # imported when a worker starts
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -56,8 +58,3 @@ class ToyAccelBackend(Backend):
         from pagedllm_toyaccel.attention import BlockwiseAttention
 
         return BlockwiseAttention
-
-    def worker_cls(self) -> type[Worker]:
-        from pagedllm_toyaccel.worker import ToyAccelWorker
-
-        return ToyAccelWorker
