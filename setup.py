@@ -37,7 +37,14 @@ setup(
     # the built-in demo model (pagedllm/models/demo.py): weights, tokenizer, configs, model card
     package_data={"pagedllm": ["py.typed", "contract/manifest.json", "models/demo_model/*.json",
                                "models/demo_model/*.safetensors", "models/demo_model/README.md",
-                               "models/demo_model/*.png"],
+                               "models/demo_model/*.png",
+                               # its speculative-decoding proposers (tools/train_draft_model.py)
+                               "models/demo_model/draft/*.json",
+                               "models/demo_model/draft/*.safetensors",
+                               "models/demo_model/draft/README.md",
+                               "models/demo_model/eagle/*.json",
+                               "models/demo_model/eagle/*.safetensors",
+                               "models/demo_model/eagle/README.md"],
                   "pagedllm._csrc": ["*.py", "*.h", "*.cuh", "*.cu", "*.cpp", "cpu/*.cpp", "cpu/*.h"]},
     python_requires=">=3.10",
     install_requires=[

@@ -292,7 +292,7 @@ def save_draft(draft: Any, args: argparse.Namespace, report: dict[str, Any]) -> 
         path = os.path.join(args.out_draft, extra)
         if os.path.exists(path):
             os.remove(path)
-    _finish(args.out_draft, report)
+    _finish(args.out_draft, report, args)
 
 
 def save_eagle(head: EagleHead, target: Any, args: argparse.Namespace,
@@ -304,12 +304,65 @@ def save_eagle(head: EagleHead, target: Any, args: argparse.Namespace,
     cfg = eagle_config(target.config, 1, intermediate_size=args.eagle_intermediate_size)
     cfg["torch_dtype"] = "bfloat16"
     write(args.out_eagle, cfg, {k: v.to(torch.bfloat16).cpu() for k, v in head.export().items()})
-    _finish(args.out_eagle, report)
+    _finish(args.out_eagle, report, args)
 
 
-def _finish(path: str, report: dict[str, Any]) -> None:
+CARD = """# pagedllm-demo {title}
+
+{what}
+
+    from pagedllm import LLM
+    llm = LLM("pagedllm-demo", speculative_config={{"method": "{method}",
+                                                    "num_speculative_tokens": 4}})
+    # pagedllm generate "def fibonacci(n):" --speculative-config '{{"method": "{method}", "num_speculative_tokens": 4}}'
+
+Greedy output with it is the demo model's own, token for token; it only makes decoding faster.
+
+## How it was made
+
+`tools/train_draft_model.py` ({when}): distilled from the demo model on the demo model's
+training split of the CPython standard library (tools/demo_data.py; the same held-out files are
+left out), {steps} steps of {batch} x {seq_len} tokens in {seconds:.0f} s on {device}.
+{loss}
+
+{params:,} parameters, bfloat16, {size:.2f} MB.
+
+## How well it drafts
+
+Top-1 agreement with the demo model on held-out code (teacher-forced, {windows} windows of
+{seq_len} tokens){by_step}: {agree}. For k = 4 drafts that suggests about {length:.2f} tokens per
+verification (1 + the accepted drafts); the measured figure on held-out completions is in
+benchmarks/RESULTS.md (`benchmarks/spec_decode.py`).
+"""
+
+
+def write_card(path: str, report: dict[str, Any], args: argparse.Namespace) -> None:
+    draft = report["kind"] == "draft_model"
+    agree = report.get("heldout_top1_agreement") or report.get("heldout_top1_agreement_by_step")
+    text = CARD.format(
+        title="draft model" if draft else "EAGLE head",
+        what=("A small Llama with the demo model's tokenizer that drafts tokens for it "
+              f"({args.draft_layers} layers, hidden size {args.draft_hidden_size})." if draft else
+              "An EAGLE-1 head (vLLM's checkpoint format) that drafts from the demo model's own "
+              "hidden states: one decoder layer over its embedding and LM head."),
+        method="draft" if draft else "eagle", when=time.strftime("%Y-%m-%d"),
+        steps=report["training"]["steps"], batch=args.batch_size, seq_len=args.seq_len,
+        seconds=report["training"]["seconds"], device=report["device"],
+        loss=("Loss: cross-entropy against the demo model's next-token distribution." if draft
+              else "Loss: smooth-L1 to the demo model's next hidden state plus cross-entropy "
+                   "against its next-token distribution, over two unrolled draft steps."),
+        params=report["parameters"], size=folder_bytes(path) / 2**20,
+        windows=args.eval_windows, by_step="" if draft else " by draft step",
+        agree=", ".join(f"{a:.3f}" for a in agree or []) or "not measured",
+        length=report.get("expected_mean_accepted_length_k4") or 1.0)
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write(text)
+
+
+def _finish(path: str, report: dict[str, Any], args: argparse.Namespace) -> None:
     with open(os.path.join(path, "metrics.json"), "w") as f:
         json.dump(report, f, indent=2)
+    write_card(path, report, args)
     for name in os.listdir(path):
         os.chmod(os.path.join(path, name), 0o644)
 
