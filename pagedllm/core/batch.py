@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -60,6 +60,8 @@ class ScheduledBatch:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    # sequences whose blocks were freed since the last batch (finished, aborted, or preempted by
+    # recomputation): the workers drop what they keep of them
     finished_seq_ids: list[int] = field(default_factory=list)
     # guided decoding: int32 [len(seqs), ceil(vocab / 32)] (a host torch tensor, filled by the
     # engine after scheduling; the scheduler never sets it): bit t of row i set iff token t may
@@ -74,8 +76,68 @@ class ScheduledBatch:
         return sum(s.num_tokens for s in self.seqs)
 
     def is_empty(self) -> bool:
+        """Nothing for the workers to do or to forget (a batch that only finishes sequences
+        still goes to them: they drop their state of those)."""
         return not (self.seqs or self.blocks_to_swap_in or self.blocks_to_swap_out
-                    or self.blocks_to_copy)
+                    or self.blocks_to_copy or self.finished_seq_ids)
+
+
+# --- what the executor sends: a step as a change to the state the workers keep ------------------
+@dataclass
+class NewSeq:
+    """A sequence the workers do not hold yet: a new request, a fork, or one coming back after
+    preemption by recomputation (which made the workers forget it)."""
+
+    seq_id: int
+    sampling_params: SamplingParams
+    prompt_len: int
+    seq_index: int
+    block_table: list[int]
+    # positions [0, start_pos of its first chunk) when its sampling reads the whole sequence
+    # (penalties: ScheduledSeq.history), else None: the workers keep no tokens for it
+    token_ids: list[int] | None = None
+
+
+class SeqChunk(NamedTuple):
+    """A scheduled sequence in a StepDelta, in full (ScheduledSeq's per-step fields)."""
+
+    seq_id: int
+    start_pos: int
+    token_ids: list[int]
+    num_samples: int
+    prompt_logprob_targets: list[int] | None = None
+    extra: dict[str, Any] | None = None  # other ScheduledSeq fields away from their defaults
+
+
+# A scheduled sequence in a StepDelta in short: (seq_id, token), one token at the position after
+# the sequence's last scheduled one, sampled once (a plain decode: most of every step).
+Decode = tuple[int, int]
+
+
+@dataclass
+class StepDelta:
+    """A step as the executor sends it: what the workers do not already hold.
+
+    Each worker keeps every live sequence's sampling parameters, block table and (where its
+    sampling reads them) tokens (worker/seq_states.py), and rebuilds the ScheduledBatch from
+    this; so the bytes of a decode step grow with the batch, not with batch x context.
+    Applied in order: ``finished_seq_ids`` dropped, ``new_seqs`` added, ``block_updates`` then
+    ``slid`` applied to the tables, then ``seqs`` (batch order) scheduled.
+    """
+
+    seqs: list[SeqChunk | Decode] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    # seq_id -> (i, blocks): the table's entries from index i on are now ``blocks`` (appended
+    # blocks, a copy-on-write replacement, a table cut back or a whole new one)
+    block_updates: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # seq_id -> k: sliding window: the first k entries now repeat entry k (BlockManager._slide)
+    slid: dict[int, int] = field(default_factory=dict)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    token_bitmask: Any = None
+    virtual_engine: int = 0
 
 
 @dataclass

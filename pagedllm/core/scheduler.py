@@ -176,7 +176,7 @@ class Scheduler:
             self.swapped.append(group)
             return
         for seq in group.unfinished_seqs():
-            self.block_manager.free(seq)
+            self._free_seq(seq)  # the workers forget it too; it comes back as a new sequence
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         self._enqueue_waiting(group)

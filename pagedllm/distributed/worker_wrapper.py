@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.contract.backend import Backend
-from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.core.batch import ScheduledBatch, SeqOutput, StepDelta
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,10 @@ class WorkerWrapper:
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
         """The last stage's TP rank 0 returns the samples; the other ranks return None."""
         return self.worker.execute(batch)
+
+    def execute_step(self, step: StepDelta) -> list[SeqOutput] | None:
+        """A step as the change to the state this rank keeps (worker/seq_states.py)."""
+        return self.worker.execute_step(step)
 
     def pid(self) -> int:
         return os.getpid()

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from pagedllm.config import EngineConfig
 from pagedllm.contract.backend import Backend
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.executor.step_encoder import StepEncoder
 from pagedllm.worker.pending import PendingOutputs
 
 
@@ -13,6 +14,8 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
         self.config = config
         self.backend = backend
+        # each batch goes to the workers as a StepDelta: what they do not already hold
+        self.encoder = StepEncoder(config.cache.block_size)
 
     @abstractmethod
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -55,8 +58,9 @@ class MultiWorkerExecutor(Executor):
     def _call(self, method: str, *args: object) -> list: ...
 
     def _pack(self, batch: ScheduledBatch) -> object:
-        """How the batch travels to the workers (sent as is by default)."""
-        return batch
+        """How the batch travels to the workers: its StepDelta (called once per batch, in the
+        order the workers run them)."""
+        return self.encoder.encode(batch)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         per_rank = self._call("determine_num_blocks")
@@ -72,7 +76,7 @@ class MultiWorkerExecutor(Executor):
         return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
 
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
-        return self._call("execute", self._pack(batch))[self.output_rank] or []
+        return self._call("execute_step", self._pack(batch))[self.output_rank] or []
 
     def stage_timelines(self) -> list[list[tuple[float, float]]]:
         """Each rank's pipeline steps since the last call, (start, end) on the host's monotonic

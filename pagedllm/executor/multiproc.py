@@ -187,7 +187,7 @@ class MultiprocExecutor(MultiWorkerExecutor):
             _stop_workers(self.workers, graceful=self._error is None)
 
     def submit(self, batch: ScheduledBatch) -> PendingOutputs:
-        self._send("execute", batch)
+        self._send("execute_step", self._pack(batch))
         future = _Submitted(self)
         self._submitted.append(future)
         return future
@@ -199,7 +199,7 @@ class MultiprocExecutor(MultiWorkerExecutor):
                 raise WorkerError(f"the workers failed earlier ({self._error}); the engine must "
                                   "be restarted") from self._error
             head = self._submitted.popleft()
-            head.set(self._gather("execute")[self.output_rank] or [])
+            head.set(self._gather("execute_step")[self.output_rank] or [])
 
     # --- calls ---------------------------------------------------------------------------
     def _call(self, method: str, *args: Any) -> list[Any]:

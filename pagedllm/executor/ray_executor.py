@@ -116,7 +116,7 @@ class _RaySubmitted(PendingOutputs):
             if ex._error is not None:
                 raise WorkerError(f"the workers failed earlier ({ex._error}); the engine must "
                                   "be restarted") from ex._error
-            self._outputs = ex._gather(self._refs, "execute")[ex.output_rank] or []
+            self._outputs = ex._gather(self._refs, "execute_step")[ex.output_rank] or []
             self._refs = None
         return self._outputs
 
@@ -185,7 +185,7 @@ class RayExecutor(MultiWorkerExecutor):
 
     # --- the Executor interface ----------------------------------------------------------
     def _pack(self, batch: ScheduledBatch) -> object:
-        return ray.put(batch)  # one object-store copy shared by every actor
+        return ray.put(super()._pack(batch))  # one object-store copy shared by every actor
 
     def check_health(self) -> None:
         """Raise if an actor is gone (looks only at the death watches; safe during a step)."""
@@ -208,7 +208,7 @@ class RayExecutor(MultiWorkerExecutor):
             raise WorkerError(f"the workers failed earlier ({self._error}); the engine must be "
                               "restarted") from self._error
         packed = self._pack(batch)
-        return _RaySubmitted(self, [a.execute.remote(packed) for a in self.actors])
+        return _RaySubmitted(self, [a.execute_step.remote(packed) for a in self.actors])
 
     # --- calls ---------------------------------------------------------------------------
     def _call(self, method: str, *args: Any) -> list[Any]:

@@ -29,10 +29,10 @@ class UniProcExecutor(Executor):
     supports_async = True
 
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
-        return self.worker.execute(batch) or []
+        return self.worker.execute_step(self.encoder.encode(batch)) or []
 
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
-        return self.worker.execute_async(batch)
+        return self.worker.execute_step_async(self.encoder.encode(batch))
 
     def shutdown(self) -> None:
         self.worker.release()

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.config import EngineConfig
 from pagedllm.contract.backend import Backend
-from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.core.batch import ScheduledBatch, SeqOutput, StepDelta
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.models.layers.pipeline import get_pp_indices
@@ -23,6 +23,7 @@ from pagedllm.reference.ops import Ops
 from pagedllm.worker.host_memory import lazy_zeros
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.pending import PendingOutputs
+from pagedllm.worker.seq_states import SeqStates
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class Worker:
         # what the worker did, for the conformance suite's claim checks (docs/porting.md):
         # launches / returned_before_done (async_output), graph_captures / graph_replays (graphs)
         self.counters: Counter[str] = Counter()
+        # every live sequence's parameters, block table and (where sampling reads it) tokens:
+        # the executor sends each step as the change to this (execute_step)
+        self.seq_states = SeqStates()
 
     # --- hooks a backend may override ----------------------------------------------------
     def select_device(self) -> torch.device:
@@ -198,6 +202,14 @@ class Worker:
                                                    for _ in range(self.num_layers)]
         self.host_caches = self.ve_host_caches[0]
         return self.ve_host_caches[virtual_engine]
+
+    def execute_step(self, step: StepDelta) -> list[SeqOutput] | None:
+        """``execute`` of the batch that ``step`` makes with the kept per-sequence state."""
+        return self.execute(self.seq_states.apply(step))
+
+    def execute_step_async(self, step: StepDelta) -> PendingOutputs:
+        """``execute_async`` of the batch that ``step`` makes with the kept state."""
+        return self.execute_async(self.seq_states.apply(step))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
