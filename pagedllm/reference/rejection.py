@@ -49,11 +49,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     b, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
-    probs = torch.softmax(target_logits.float(), dim=-1)  # [B, K + 1, V]
     greedy_tokens = target_logits.argmax(dim=-1)  # [B, K + 1]
     pos = torch.arange(k, device=device)
     valid = pos[None, :] < num_draft_tokens[:, None]  # [B, K]
     drafts = draft_token_ids.clamp(min=0)
+    rows = torch.arange(b, device=device)
+    if bool(is_greedy.all()):  # no distribution needed: the argmax run
+        accept = (drafts == greedy_tokens[:, :k]) & valid
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        return _emit(draft_token_ids, num_accepted, greedy_tokens[rows, num_accepted], k1)
+    probs = torch.softmax(target_logits.float(), dim=-1)  # [B, K + 1, V]
     p_draft = probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
     if draft_probs is None:
         accept_random = uniform < p_draft  # q(x) = 1
@@ -64,7 +69,6 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     accept &= valid
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: the leading run of accepts
     rejected = num_accepted < num_draft_tokens  # else every draft was accepted: bonus token
-    rows = torch.arange(b, device=device)
     p_last = probs[rows, num_accepted]  # [B, V]: p at the first rejection, or at n + 1
     at = num_accepted.clamp(max=max(k - 1, 0))
     if k == 0:
@@ -80,8 +84,15 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     weights = torch.where(rejected[:, None], residual, p_last)
     random_last = (weights / noise).argmax(dim=1)
     last = torch.where(is_greedy, greedy_tokens[rows, num_accepted], random_last)
+    return _emit(draft_token_ids, num_accepted, last, k1)
+
+
+def _emit(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor,
+          k1: int) -> torch.Tensor:
+    """[B, K + 1]: each row's first num_accepted drafts, then ``last``, then placeholders."""
+    b, device = draft_token_ids.shape[0], draft_token_ids.device
     out = torch.full((b, k1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    keep = torch.arange(k1, device=device)[None, :] < num_accepted[:, None]
-    out[:, :k] = torch.where(keep[:, :k], draft_token_ids, out[:, :k])
-    out[rows, num_accepted] = last
+    keep = torch.arange(k1 - 1, device=device)[None, :] < num_accepted[:, None]
+    out[:, :k1 - 1] = torch.where(keep, draft_token_ids, out[:, :k1 - 1])
+    out[torch.arange(b, device=device), num_accepted] = last
     return out

@@ -50,6 +50,9 @@ def _draws(rows: list[SampleRow], k: int, vocab: int, generator: torch.Generator
            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(uniform [B, K], noise [B, V] Exp(1)) on ``device``: a seeded request's from its own
     generator (seed, completion index, output length), the others' from ``generator``."""
+    if all(r.params.sampling_type == SamplingType.GREEDY for r in rows):  # draws unused
+        return (torch.zeros((len(rows), k), device=device),
+                torch.ones((len(rows), vocab), device=device))
     gdev = generator_device(device)
     uniform = torch.empty((len(rows), k), device=gdev)
     noise = torch.empty((len(rows), vocab), device=gdev)
