@@ -234,6 +234,26 @@ def test_no_import_circles() -> None:
     assert not found, "import circles:\n" + "\n".join(lines)
 
 
+# old import paths kept for plugins written against them (re-export modules): in-tree code
+# imports the module that defines the name
+OLD_PATHS = {
+    "pagedllm.backends.interface": "pagedllm.contract.backend / .capabilities / .cache_ops / "
+                                   ".attention / .registry",
+    "pagedllm.backends.attention": "pagedllm.contract.attention",
+    "pagedllm.backends.registry": "pagedllm.contract.registry",
+    "pagedllm.models.layers.ops": "pagedllm.reference.ops",
+    "pagedllm.models.layers.moe_ops": "pagedllm.reference.moe",
+    "pagedllm.models.layers.quantization.reference": "pagedllm.reference.quant",
+    "pagedllm.backends.cpu.attention": "pagedllm.reference.attention",
+}
+
+
+def test_in_tree_code_imports_the_contract_by_its_own_paths() -> None:
+    old = [i for i in import_graph() if i.target in OLD_PATHS and i.source not in OLD_PATHS]
+    assert not old, "in-tree imports of the old paths (kept for plugins only):\n" + "\n".join(
+        f"{i.source} line {i.line}: {i.target} -> {OLD_PATHS[i.target]}" for i in old)
+
+
 def test_the_reader_sees_every_kind_of_import(tmp_path: Path) -> None:
     """The reader itself: top-level, relative, lazy and TYPE_CHECKING imports are all edges, and
     an upward one and a circle are found (so the rules above can fail)."""

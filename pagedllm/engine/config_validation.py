@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.backends.interface import Backend
     from pagedllm.config import EngineConfig
+    from pagedllm.contract.backend import Backend
 
 
 def validate_config(config: EngineConfig, backend: Backend) -> str:
@@ -163,7 +163,7 @@ def check_pipeline_parallel(config: EngineConfig, backend: Backend,
     if pp == 1:
         return
     if not backend.capabilities.pipeline_parallel:
-        from pagedllm.backends.registry import discover
+        from pagedllm.contract.registry import discover
 
         able = [i.name for i in discover().values()
                 if getattr(i, "cls", None) is not None and i.cls.capabilities.pipeline_parallel]

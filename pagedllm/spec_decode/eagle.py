@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.attention import AttentionMetadata
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.layers.linear import LayerContext, QKVParallelLinear, ReplicatedLinear
 from pagedllm.models.layers.rotary import RotaryEmbedding

@@ -143,7 +143,7 @@ class SpecWorkerMixin:
 
     def _spec_ops(self) -> Any:
         """The op table the backend registers (the rejection sampler among its ops)."""
-        from pagedllm.models.layers.ops import Ops
+        from pagedllm.reference.ops import Ops
 
         ops = Ops()
         self.backend.register_ops(ops)  # type: ignore[attr-defined]

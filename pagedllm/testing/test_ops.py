@@ -158,7 +158,7 @@ def test_fused_moe(conformance_backend: Backend, conformance_dtype: str,
                    conformance_device: torch.device, conformance_rng: torch.Generator) -> None:
     """Top-2 of 8 experts (renormalized) and top-3 (not), vs the per-expert reference in float64;
     the router logits are spread apart so every dtype picks the same experts."""
-    from pagedllm.models.layers import moe_ops
+    from pagedllm.reference import moe as moe_ops
 
     rng, dt, dev = conformance_rng, torch_dtype(conformance_dtype), conformance_device
     t, e, h, i = 13, 8, 64, 48

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from pagedllm.backends.interface import Backend
+from pagedllm.contract.backend import Backend
 from pagedllm.reference import rejection as reference
-from pagedllm.models.layers.ops import Ops
+from pagedllm.reference.ops import Ops
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.sampler import VerifyRow, VerifySampler
 from pagedllm.testing.paged_batch import SeqSpec

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.layers.quantization.base import ACT_FP8_PER_TOKEN, FP8_MAX, pack_int32
-from pagedllm.models.layers.quantization.reference import quant_linear as reference_quant_linear
+from pagedllm.contract.quantization import ACT_FP8_PER_TOKEN, FP8_MAX
+from pagedllm.models.layers.quantization.base import pack_int32
+from pagedllm.reference.quant import quant_linear as reference_quant_linear
 
 logger = logging.getLogger(__name__)
 
