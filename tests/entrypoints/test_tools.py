@@ -91,6 +91,49 @@ def test_required_tool_choice(tclient) -> None:
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
 
+def _first_item_tokens(tokens: list[str]) -> int | None:
+    """How many of a required-mode output's tokens end its first list item, when the output
+    holds two items or more (None otherwise)."""
+    text = "".join(tokens)
+    decoder = json.JSONDecoder()
+    start = text.index("{")
+    _, end = decoder.raw_decode(text, start)
+    items, _ = decoder.raw_decode(text)  # the EOS token's text may follow
+    if len(items) < 2:
+        return None
+    count, written = 0, 0
+    while written < end:
+        written += len(tokens[count])
+        count += 1
+    return count
+
+
+def test_required_tool_choice_cut_by_max_tokens_returns_the_complete_calls(tclient) -> None:
+    """With max_tokens ending inside the second call, the first call comes back (whole and
+    streamed) with finish_reason "length" (tool_calls used to be empty)."""
+    model = tclient.models.list().data[0].id
+    # get_time only: its calls are ASCII, one token a character (the tokenizer is byte-level)
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS[1:], tool_choice="required",
+              temperature=1.0)
+    for seed in range(20):  # a seed whose whole output holds two calls or more
+        full = tclient.chat.completions.create(seed=seed, max_tokens=400, logprobs=True, **kw)
+        first = _first_item_tokens([t.token for t in full.choices[0].logprobs.content])
+        if first is not None:
+            break
+    assert first is not None, "no seed gave two calls"
+    expected = full.choices[0].message.tool_calls[0]
+    cut = dict(kw, seed=seed, max_tokens=first + 4)
+    c = tclient.chat.completions.create(**cut).choices[0]
+    assert c.finish_reason == "length" and not c.message.content
+    (call,) = c.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (expected.function.name,
+                                                             expected.function.arguments)
+    calls, content, finish, _ = _stream_calls(tclient.chat.completions.create(stream=True, **cut))
+    assert finish == "length" and content == ""
+    assert [(e["name"], e["arguments"]) for e in calls.values()] == [
+        (expected.function.name, expected.function.arguments)]
+
+
 def test_auto_tool_choice_parses_hermes_calls(tclient) -> None:
     model = tclient.models.list().data[0].id
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, extra_body={"guided_regex": HERMES_CALL},
@@ -151,7 +194,7 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "frob"}}}}}], "tool_choice": "required"},
-     "tool_choice"),
+     "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
 ]
 
@@ -175,3 +218,44 @@ def test_auto_needs_the_flags(http) -> None:
     bad = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS,
                                                   "tool_choice": "auto", "max_tokens": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "objekt"}}}
+CHOICES = ["auto", "none", "required", {"type": "function", "function": {"name": "bad"}}]
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=["auto", "none", "required", "named"])
+def test_invalid_parameters_schema_is_400_naming_the_tool_whatever_the_choice(
+        tool_server, choice) -> None:
+    """The schema is checked up front in every mode (auto and none used to accept it), and the
+    400 names tools[i].function.parameters in one line (no internal schema dumped)."""
+    import httpx
+
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "bad",
+                                                         "parameters": BAD_SCHEMA}}]
+    resp = httpx.post(f"{tool_server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": MESSAGES, "max_tokens": 3, "tools": tools, "tool_choice": choice})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "tools[1].function.parameters", error
+    assert error["message"] == (
+        "tools[1].function.parameters: invalid JSON schema for function 'bad': "
+        "properties.city.type 'objekt' is not a JSON Schema type (allowed: array, boolean, "
+        "integer, null, number, object, string, or a non-empty list of them)"), error
+
+
+def test_schema_the_backend_refuses_is_400_naming_the_tool(tool_server) -> None:
+    """Sound JSON Schema that xgrammar cannot compile (a bad regex), under tool_choice required:
+    the backend's one-line reason, not the guided-decoding schema built from the tools."""
+    import httpx
+
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "re", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "(ab"}}}}}]
+    resp = httpx.post(f"{tool_server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": MESSAGES, "max_tokens": 3, "tools": tools, "tool_choice": "required"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "tools[1].function.parameters", error
+    assert error["message"].startswith("tools[1].function.parameters: invalid JSON schema for "
+                                       "function 're': Regex parsing error"), error
+    assert "anyOf" not in error["message"] and len(error["message"]) < 200, error

@@ -41,6 +41,31 @@ def parse_required(text: str) -> list[ToolCall] | None:
     return calls
 
 
+def complete_calls(text: str) -> list[ToolCall]:
+    """The calls of a ``required`` output, ``[{"name": ..., "parameters": ...}, ...]``, that are
+    written in full: the whole list, or its items before one cut short (max_tokens) -- what
+    vLLM's parsers return for a truncated output. Stops at the first item not of that shape."""
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    calls: list[ToolCall] = []
+    while True:
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:  # cut short (or the list's end)
+            return calls
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return calls
+        calls.append(ToolCall(item["name"], arguments_text(item.get("parameters", {}))))
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        if not text.startswith(",", pos):
+            return calls
+        pos += 1
+
+
 def _split(text: str, reasoning: bool, finished: bool) -> tuple[str | None, str, bool]:
     return split_reasoning(text, finished) if reasoning else (None, text, True)
 
@@ -58,6 +83,8 @@ def final_message(text: str, mode: ToolMode, reasoning: bool, finish_reason: str
         message["content"] = ""
     elif mode.kind == "required":
         calls = parse_required(content)
+        if calls is None and finish_reason == "length":  # the calls written before the cut
+            calls = complete_calls(content) or None
         if calls is not None:
             message["content"] = ""
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -81,7 +108,7 @@ class ChoiceStream:
     sent_reasoning: int = 0
     sent_content: int = 0
     call: ToolCall | None = None  # named: the call whose arguments stream as content
-    calls_sent: bool = False
+    calls_sent: int = 0  # required: the calls sent so far (each once it is written in full)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def delta(self, text: str, finished: bool) -> tuple[dict[str, Any], bool]:
@@ -104,10 +131,11 @@ class ChoiceStream:
                 delta.setdefault("tool_calls", [{"index": 0, "function": {}}])
                 delta["tool_calls"][0]["function"]["arguments"] = piece
             return delta, False
-        if kind == "required" or (kind == "auto" and self.mode.parser is not None):
+        if kind == "required":
+            return self._required(delta, content, finished)
+        if kind == "auto" and self.mode.parser is not None:
             if not finished:
-                if kind == "auto":
-                    self._content(delta, self.mode.parser.content_before_calls(content))
+                self._content(delta, self.mode.parser.content_before_calls(content))
                 return delta, False
             calls, rest = self._final_calls(content)
             if calls:
@@ -118,9 +146,20 @@ class ChoiceStream:
         self._content(delta, content)
         return delta, False
 
+    def _required(self, delta: dict[str, Any], content: str, finished: bool
+                  ) -> tuple[dict[str, Any], bool]:
+        """Each call goes out once its JSON is complete; a finished output in which no call was
+        complete is sent as content (as the whole response has it)."""
+        calls = complete_calls(content)
+        if len(calls) > self.calls_sent:
+            delta["tool_calls"] = [{"index": self.calls_sent + k, **c.to_openai()}
+                                   for k, c in enumerate(calls[self.calls_sent:])]
+            self.calls_sent = len(calls)
+        if finished and not self.calls_sent:
+            self._content(delta, content)
+        return delta, self.calls_sent > 0
+
     def _final_calls(self, content: str) -> tuple[list[ToolCall] | None, str]:
-        if self.mode.kind == "required":
-            return parse_required(content), ""
         assert self.mode.parser is not None
         extracted = self.mode.parser.extract_tool_calls(content)
         if not extracted.tools_called:

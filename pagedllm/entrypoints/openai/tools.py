@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.engine.guided import GuidedBackendUnavailable, validate_guided_params
 from pagedllm.entrypoints.openai.chat_output import ToolMode
 from pagedllm.entrypoints.openai.cli_args import ServerSettings
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ToolDefinition
+from pagedllm.entrypoints.openai.structured import guided_unavailable
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedllm.entrypoints.openai.tool_schema import schema_problem
+from pagedllm.sampling_params import GuidedDecodingParams
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -24,6 +28,33 @@ def required_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
                                           "parameters": _parameters(t)},
          "required": ["name", "parameters"], "additionalProperties": False}
         for t in tools]}}
+
+
+def _compile_problem(schema: dict[str, Any]) -> str | None:
+    """What the guided-decoding backend refuses in ``schema`` (its message's first line)."""
+    try:
+        validate_guided_params(GuidedDecodingParams(json=schema))
+    except GuidedBackendUnavailable as exc:
+        raise guided_unavailable(exc, "tool_choice") from exc
+    except ValueError as exc:  # "guided_decoding.json=<the schema> is invalid: <why>"
+        return str(exc).split(" is invalid: ", 1)[-1]
+    return None
+
+
+def check_tool_schemas(tools: list[ToolDefinition], compiled: set[str]) -> None:
+    """400 naming ``tools[i].function.parameters`` for the first invalid schema; the tools named
+    in ``compiled`` (those the output is constrained to) are compiled by the backend too."""
+    for i, tool in enumerate(tools):
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        problem = schema_problem(schema)
+        if problem is None and tool.function.name in compiled:
+            problem = _compile_problem(schema)
+        if problem is not None:
+            param = f"tools[{i}].function.parameters"
+            raise bad_request(f"{param}: invalid JSON schema for function "
+                              f"{tool.function.name!r}: {problem}", param)
 
 
 def tool_mode(req: ChatCompletionRequest, settings: ServerSettings
@@ -43,8 +74,10 @@ def tool_mode(req: ChatCompletionRequest, settings: ServerSettings
         if name not in names:
             raise bad_request(f"tool_choice names function {name!r}, which is not in tools "
                               f"({', '.join(names)})", "tool_choice")
+        check_tool_schemas(tools, {name})
         tool = tools[names.index(name)]
         return ToolMode("named", name=name), ("tool_choice", {"json": _parameters(tool)})
+    check_tool_schemas(tools, set(names) if choice == "required" else set())
     if choice == "required":
         return ToolMode("required"), ("tool_choice", {"json": required_schema(tools)})
     if choice == "auto":
