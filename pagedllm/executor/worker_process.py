@@ -61,12 +61,13 @@ def run_apart(backend: Backend) -> bool:
 
 
 def worker_env() -> dict[str, str]:
-    """This process's environment plus the spin default, and pagedllm importable from where this
-    process imported it (a checkout on sys.path only, not installed)."""
+    """This process's environment plus the spin default, with the folder this process imported
+    pagedllm from last on PYTHONPATH (a checkout on sys.path only is found; an installed
+    package or the standard library are never shadowed)."""
     env = dict(os.environ)
     env.setdefault(SPINCOUNT_ENV, DEFAULT_SPINCOUNT)
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT, *paths])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_PARENT])
     return env
 
 
