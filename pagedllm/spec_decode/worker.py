@@ -45,6 +45,9 @@ class SpecRunner:
         runner, seqs = self.runner, batch.seqs
         device = runner.device
         ids, positions, meta = build_metadata(seqs, runner.block_size, device)
+        # verification chunks lie among the prefill rows (multi-token chunks come first)
+        meta.extras["verify_prefills"] = frozenset(
+            i for i, s in enumerate(seqs[:meta.num_prefills]) if s.num_spec_tokens)
         rows: list[int] = []  # hidden-state rows needing logits
         plain: list[tuple[int, int, SampleRow]] = []  # (batch index, logits row, row)
         verify: list[tuple[int, int, VerifyRow]] = []  # (batch index, first logits row, row)

@@ -81,7 +81,10 @@ def _table(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
 
 def step_seq_lens(positions: torch.Tensor, metadata: AttentionMetadata | None) -> torch.Tensor:
     """[T] int64: for each token, the length of its sequence once this step's tokens are in
-    (rows past the metadata's tokens, e.g. bucket padding, get their own position + 1)."""
+    (rows past the metadata's tokens, e.g. bucket padding, get their own position + 1). The
+    prefill sequences listed in ``metadata.extras["verify_prefills"]`` (speculative decoding's
+    verification chunks: tokens decoding would run one at a time) take their own position + 1
+    too, so length-switched rotaries (longrope, dynamic) treat each as its decode step would."""
     lens = positions.to(torch.int64) + 1
     if metadata is None:
         return lens
@@ -92,6 +95,9 @@ def step_seq_lens(positions: torch.Tensor, metadata: AttentionMetadata | None) -
             seq = metadata.prefill_seq_lens.tolist()  # no host copies: read the tensors
             starts = metadata.query_start_loc.tolist()
             query = [b - a for a, b in zip(starts, starts[1:])]
+        verify = getattr(metadata, "extras", {}).get("verify_prefills")
+        if verify:
+            seq = [0 if i in verify else n for i, n in enumerate(seq)]
         parts.append(torch.tensor(seq, dtype=torch.int64).repeat_interleave(torch.tensor(query)))
     if metadata.num_decode_tokens:
         dec = metadata.decode_seq_lens_list
