@@ -54,6 +54,11 @@ def check_speculative(config: EngineConfig, backend: Any) -> None:
             f"speculative_config is not supported by the {backend.name} backend: verification "
             "needs attention over decode sequences with more than one query token "
             "(Capabilities.multi_token_decode), which it does not declare")
+    if backend.capabilities.static_shapes:
+        raise ValueError(
+            f"speculative_config is not supported by the {backend.name} backend yet: it needs "
+            "static shapes (capabilities.static_shapes) and verification batches are not "
+            "padded to its buckets")
     p = config.parallel
     for name, value in (("tensor_parallel_size", p.tensor_parallel_size),
                         ("pipeline_parallel_size", p.pipeline_parallel_size)):

@@ -217,11 +217,15 @@ def test_refusals_name_the_field(llama_path: str, checkpoint_factory) -> None:
 
     config = EngineArgs(model=llama_path, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
-    caps = SimpleNamespace(multi_token_decode=None, prefix_caching=False, chunked_prefill=False)
+    caps = SimpleNamespace(multi_token_decode=None, prefix_caching=False, chunked_prefill=False,
+                           static_shapes=False)
     with pytest.raises(ValueError, match="multi_token_decode"):
         check_speculative(config, SimpleNamespace(name="toy", capabilities=caps))
+    caps.prefix_caching, caps.static_shapes = True, True
+    with pytest.raises(ValueError, match="static_shapes"):
+        check_speculative(config, SimpleNamespace(name="toy", capabilities=caps))
+    caps.static_shapes = False
     config.parallel.tensor_parallel_size = 2
-    caps.prefix_caching = True
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         check_speculative(config, SimpleNamespace(name="toy", capabilities=caps))
     with pytest.raises(ValueError, match="speculative_config.model is required"):
