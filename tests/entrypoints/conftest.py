@@ -66,10 +66,18 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Its tokenizer's model_max_length is the context, as a real model's is (transformers then
+    warns when it encodes a longer text; the server must not let that reach its log)."""
+    import json
+
     from pagedllm.testing.checkpoints import make_checkpoint
 
-    return make_checkpoint(str(tmp_path_factory.mktemp("serve-tiny")), "llama",
+    path = make_checkpoint(str(tmp_path_factory.mktemp("serve-tiny")), "llama",
                            max_position_embeddings=MAX_MODEL_LEN)
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "model_max_length": MAX_MODEL_LEN}))
+    return path
 
 
 @pytest.fixture(scope="session")

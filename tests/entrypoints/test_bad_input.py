@@ -174,6 +174,23 @@ def test_openai_client_raises_typed_errors(client) -> None:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
 
+def test_text_longer_than_the_context_is_400_and_no_tokenizer_warning(http, server) -> None:
+    """transformers logged "Token indices sequence length is longer than the specified maximum
+    ..." into the server log for such a text (the tokenizer's model_max_length is the context
+    here, conftest.py); the 400 (or /tokenize's count) is the whole answer."""
+    text = "x" * (MAX_MODEL_LEN + 10)  # one token a byte
+    error = check_error(http.post("/v1/completions", json={**COMPLETION, "prompt": text}), 400,
+                        "prompt")
+    assert error["code"] == "context_length_exceeded" and f"{MAX_MODEL_LEN + 10}" in error["message"]
+    chat = {**CHAT, "messages": [{"role": "user", "content": text}]}
+    assert check_error(http.post("/v1/chat/completions", json=chat), 400,
+                       "messages")["code"] == "context_length_exceeded"
+    counted = http.post("/tokenize", json={"model": "tiny", "prompt": text})
+    assert counted.status_code == 200 and counted.json()["count"] > MAX_MODEL_LEN, counted.text
+    log = server.log_path.read_text(errors="replace")
+    assert "Token indices sequence length" not in log, log[-3000:]
+
+
 def test_server_still_healthy(http) -> None:
     assert http.get("/health").status_code == 200
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200

@@ -112,7 +112,10 @@ class ServingContext:
                                   f"[0, {self.vocab_size - 1}]", param)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        # verbose=False: no transformers warning for a text longer than the tokenizer's
+        # model_max_length; resolve_max_tokens answers such a prompt with a 400
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens,
+                                   verbose=False).input_ids)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
