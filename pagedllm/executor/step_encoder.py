@@ -58,6 +58,7 @@ class StepEncoder:
                          blocks_to_swap_in=batch.blocks_to_swap_in,
                          blocks_to_copy=batch.blocks_to_copy, token_bitmask=batch.token_bitmask,
                          virtual_engine=batch.virtual_engine)
+        bs, entries = self.block_size, step.seqs
         for s in batch.seqs:
             extra = None
             for name, default in EXTRA_FIELDS:
@@ -72,15 +73,19 @@ class StepEncoder:
                     s.history[:s.start_pos] if s.history is not None else None))
                 seqs[s.seq_id] = _Sent(s.block_table, list(s.block_table), s.seq_len)
             else:
-                self._table_changes(s, known, step)
-                plain = (s.num_tokens == 1 and s.num_samples == 1 and s.start_pos == known.end
+                table, sent, start, tokens = s.block_table, known.sent, s.start_pos, s.token_ids
+                # the usual decode: same list, same length, its first and last block unchanged
+                if not (table is known.table and len(table) == len(sent) and start // bs
+                        >= len(sent) - 1 and table[-1] == sent[-1] and table[0] == sent[0]):
+                    self._table_changes(s, known, step)
+                plain = (len(tokens) == 1 and s.num_samples == 1 and start == known.end
                          and s.prompt_logprob_targets is None and extra is None)
-                known.end = s.seq_len
+                known.end = start + len(tokens)
                 if plain:
-                    step.seqs.append((s.seq_id, s.token_ids[0]))
+                    entries.append((s.seq_id, tokens[0]))
                     continue
-            step.seqs.append(SeqChunk(s.seq_id, s.start_pos, s.token_ids, s.num_samples,
-                                      s.prompt_logprob_targets, extra))
+            entries.append(SeqChunk(s.seq_id, s.start_pos, s.token_ids, s.num_samples,
+                                    s.prompt_logprob_targets, extra))
         return step
 
     def _table_changes(self, s: ScheduledSeq, known: _Sent, step: StepDelta) -> None:
