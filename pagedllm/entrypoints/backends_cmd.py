@@ -31,6 +31,8 @@ FLAG_HELP: dict[str, str] = {
     "attention_features": "optional attention arguments: sliding_window, logits_soft_cap",
     "quantizations": "quantized-checkpoint formats whose linear it runs",
     "pipeline_parallel": "runs pipeline stages (activations sent between ranks)",
+    "multi_token_decode": "attends several new tokens per decoding sequence in one step "
+                          "(speculative decoding's verification needs it)",
 }
 
 
@@ -70,15 +72,21 @@ def backends_table() -> list[list[str]]:
 
 
 def verbose_lines() -> list[str]:
-    """Each backend's capabilities, one flag a line, with what the flag means."""
+    """Each backend's capabilities, one flag a line, with what the flag means: the flag, value
+    and meaning columns line up across every backend (as wide as their longest entry)."""
+    facts = backend_facts()
+    shown = [[(key, (", ".join(map(str, value)) if isinstance(value, list) else str(value)) or "-")
+              for key, value in f.get("capabilities", {}).items()] for f in facts]
+    pairs = [pair for rows in shown for pair in rows]
+    key_width = max((len(k) for k, _ in pairs), default=0)
+    value_width = max((len(v) for _, v in pairs), default=0)
     lines: list[str] = []
-    for f in backend_facts():
+    for f, rows in zip(facts, shown):
         api = f["plugin_api_version"] or "not stated"
         lines += ["", f"{f['name']} ({f['source']}, plugin API {api}): "
                       f"{'available' if f['available'] else 'unavailable'}: {f['reason']}"]
-        for key, value in f.get("capabilities", {}).items():
-            shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
-            lines.append(f"  {key:<25} {shown or '-':<28} {FLAG_HELP.get(key, '')}")
+        lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {FLAG_HELP.get(key, '')}".rstrip()
+                  for key, value in rows]
     return lines
 
 
