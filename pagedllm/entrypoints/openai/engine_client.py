@@ -330,4 +330,3 @@ class MPEngineClient(AsyncEngineBase):
         if self._proc.pid is not None and self._proc.is_alive():
             kill_process_tree(self._proc.pid)
             self._proc.join(5)
-
