@@ -10,12 +10,15 @@ distributions (and, for the head, its hidden states), computed on the fly by the
 - the draft (``--out-draft``, default <target>/draft): a Llama with the target's vocabulary,
   tied embeddings and head size 64, ``--draft-*`` shape; loss: cross-entropy against the
   target's distribution;
-- the EAGLE head (``--out-eagle``, default <target>/eagle): vLLM's EAGLE-1 format for Llama
-  targets (``fc`` over concat(embedding of token i + 1, target hidden state at i), one decoder
-  layer without input norm, output = hidden + residual fed to the target's LM head; embedding
-  and LM head are the target's); loss: smooth-L1 to the target's next hidden state plus
-  cross-entropy against its next-token distribution, over two unrolled steps (the second reads
-  the head's own first-step predictions, as drafting beyond the first token does).
+- the EAGLE head (``--out-eagle``, default <target>/eagle), in vLLM's formats for Llama targets:
+  EAGLE-3 by default (tools/eagle3_head.py: the target's states entering three of its layers
+  fused by ``fc``, one decoder layer, a final norm, its own LM head over the 2,048 most frequent
+  training tokens (``d2t``), so a draft step reads a quarter of the target's LM head; loss:
+  cross-entropy against the target's distribution over ``--eagle-ttt-steps`` unrolled draft
+  steps with EAGLE-3's training-time-test attention); or ``--eagle-version 1`` (``fc`` over
+  concat(embedding of token i + 1, target hidden state at i), one decoder layer without input
+  norm, the target's LM head; loss: smooth-L1 to the target's next hidden state plus
+  cross-entropy against its next-token distribution, over two unrolled steps).
 
 Each writes config.json and model.safetensors (bf16) and metrics.json (held-out top-1
 agreement with the target per draft position and the mean accepted length it implies for
@@ -40,6 +43,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import demo_data  # noqa: E402
+import eagle3_head  # noqa: E402
 import train_demo_model as base  # noqa: E402
 
 log = logging.getLogger("train_draft_model")
@@ -59,11 +63,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", help="read the corpus from this file instead of --stdlib")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-hidden-size", type=int, default=128)
-    p.add_argument("--draft-layers", type=int, default=4)
+    p.add_argument("--draft-layers", type=int, default=3)
     p.add_argument("--draft-heads", type=int, default=2)
     p.add_argument("--draft-kv-heads", type=int, default=1)
     p.add_argument("--draft-intermediate-size", type=int, default=384)
-    p.add_argument("--eagle-intermediate-size", type=int, default=1024)
+    p.add_argument("--eagle-version", type=int, default=3, choices=(1, 3),
+                   help="3: EAGLE-3 (fused states of three target layers, a draft vocabulary, "
+                        "training-time test); 1: EAGLE-1 (the final hidden state, the target's "
+                        "LM head)")
+    p.add_argument("--eagle-intermediate-size", type=int, default=512)
+    p.add_argument("--eagle-draft-vocab", type=int, default=2048,
+                   help="EAGLE-3: the most frequent training tokens the head predicts")
+    p.add_argument("--eagle-ttt-steps", type=int, default=3,
+                   help="EAGLE-3: draft steps unrolled in training (training-time test)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -295,15 +307,22 @@ def save_draft(draft: Any, args: argparse.Namespace, report: dict[str, Any]) -> 
     _finish(args.out_draft, report, args)
 
 
-def save_eagle(head: EagleHead, target: Any, args: argparse.Namespace,
+def save_eagle(head: nn.Module, target: Any, args: argparse.Namespace,
                report: dict[str, Any]) -> None:
     sys.path.insert(0, REPO)
     from pagedllm.spec_decode.checkpoints import eagle_config
     from pagedllm.spec_decode.checkpoints import save_eagle as write
 
-    cfg = eagle_config(target.config, 1, intermediate_size=args.eagle_intermediate_size)
+    if args.eagle_version == 3:
+        cfg = eagle_config(target.config, 3, intermediate_size=args.eagle_intermediate_size,
+                           draft_vocab_size=len(head.draft_ids), aux_layer_ids=head.aux_layers)
+        state = head.export(target.config.vocab_size)
+    else:
+        cfg = eagle_config(target.config, 1, intermediate_size=args.eagle_intermediate_size)
+        state = head.export()
     cfg["torch_dtype"] = "bfloat16"
-    write(args.out_eagle, cfg, {k: v.to(torch.bfloat16).cpu() for k, v in head.export().items()})
+    write(args.out_eagle, cfg, {k: v.to(torch.bfloat16).cpu() if v.is_floating_point()
+                                else v.cpu() for k, v in state.items()})
     _finish(args.out_eagle, report, args)
 
 
@@ -343,14 +362,20 @@ def write_card(path: str, report: dict[str, Any], args: argparse.Namespace) -> N
         title="draft model" if draft else "EAGLE head",
         what=("A small Llama with the demo model's tokenizer that drafts tokens for it "
               f"({args.draft_layers} layers, hidden size {args.draft_hidden_size})." if draft else
+              "An EAGLE-3 head (vLLM's checkpoint format) that drafts from the demo model's own "
+              "hidden states at three of its layers: one decoder layer, and an LM head over the "
+              f"{args.eagle_draft_vocab} most frequent tokens." if args.eagle_version == 3 else
               "An EAGLE-1 head (vLLM's checkpoint format) that drafts from the demo model's own "
               "hidden states: one decoder layer over its embedding and LM head."),
         method="draft" if draft else "eagle", when=time.strftime("%Y-%m-%d"),
         steps=report["training"]["steps"], batch=args.batch_size, seq_len=args.seq_len,
         seconds=report["training"]["seconds"], device=report["device"],
         loss=("Loss: cross-entropy against the demo model's next-token distribution." if draft
-              else "Loss: smooth-L1 to the demo model's next hidden state plus cross-entropy "
-                   "against its next-token distribution, over two unrolled draft steps."),
+              else "Loss: cross-entropy against the demo model's next-token distribution over "
+                   f"{args.eagle_ttt_steps} unrolled draft steps (EAGLE-3's training-time test)."
+              if args.eagle_version == 3 else
+              "Loss: smooth-L1 to the demo model's next hidden state plus cross-entropy "
+              "against its next-token distribution, over two unrolled draft steps."),
         params=report["parameters"], size=folder_bytes(path) / 2**20,
         windows=args.eval_windows, by_step="" if draft else " by draft step",
         agree=", ".join(f"{a:.3f}" for a in agree or []) or "not measured",
@@ -392,10 +417,32 @@ def main(argv: list[str] | None = None) -> int:
         log.info("draft: held-out agreement %s -> ~%.2f tokens per verification (k=%d)", agree,
                  report["expected_mean_accepted_length_k4"] or 0, K)
     if "eagle" in args.what:
-        head = EagleHead(target, args.eagle_intermediate_size).to(args.device)
-        run = train("eagle", head, lambda t: eagle_losses(head, target, t), data, args)
-        agree = evaluate(lambda t: eagle_losses(head, target, t), data, args)
-        report = {**facts, "kind": "eagle", "parameters": sum(p.numel() for p in head.export().values()),
+        if args.eagle_version == 3:
+            ids = eagle3_head.draft_vocabulary(data["train"], target.config.vocab_size,
+                                               args.eagle_draft_vocab).to(args.device)
+            aux = eagle3_head.default_aux_layers(target.config.num_hidden_layers)
+            head = eagle3_head.Eagle3Head(target, args.eagle_intermediate_size, ids,
+                                          aux).to(args.device)
+            covered = torch.isin(data["heldout"].long(), ids).float().mean().item()
+            log.info("eagle-3: draft vocabulary of %d tokens covers %.1f%% of held-out tokens",
+                     len(ids), 100 * covered)
+
+            def loss_fn(t: torch.Tensor) -> Any:
+                return eagle3_head.eagle3_losses(head, target, t, args.eagle_ttt_steps)
+            exported = head.export(target.config.vocab_size)
+        else:
+            head = EagleHead(target, args.eagle_intermediate_size).to(args.device)
+
+            def loss_fn(t: torch.Tensor) -> Any:
+                return eagle_losses(head, target, t)
+            exported = head.export()
+            covered = 1.0
+        run = train("eagle", head, loss_fn, data, args)
+        agree = evaluate(loss_fn, data, args)
+        report = {**facts, "kind": "eagle", "eagle_version": args.eagle_version,
+                  "draft_vocab_heldout_coverage": covered,
+                  "parameters": sum(p.numel() for k, p in exported.items()
+                                    if p.is_floating_point()),
                   "training": run, "heldout_top1_agreement_by_step": agree,
                   "expected_mean_accepted_length_k4": expected_length(agree) if agree else None}
         save_eagle(head, target, args, report)

@@ -1,5 +1,5 @@
-"""tools/train_draft_model.py at toy size on CPU: it writes a draft model and an EAGLE head in
-the formats the engine loads, and the demo model with either gives its plain greedy output."""
+"""tools/train_draft_model.py at toy size on CPU: it writes a draft model and an EAGLE-3 head
+in the formats the engine loads, and the demo model with either gives its plain greedy output."""
 from __future__ import annotations
 
 import json
@@ -42,7 +42,7 @@ def test_toy_training_writes_loadable_proposers(tmp_path) -> None:
            "--max-epochs", "0", "--seq-len", "32", "--batch-size", "2",
            "--draft-hidden-size", "64", "--draft-layers", "1", "--draft-heads", "1",
            "--draft-intermediate-size", "64", "--eagle-intermediate-size", "64",
-           "--eval-windows", "2"]
+           "--eagle-draft-vocab", "512", "--eagle-ttt-steps", "2", "--eval-windows", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shipped weights" in done.stderr
@@ -56,7 +56,7 @@ def test_toy_training_writes_loadable_proposers(tmp_path) -> None:
     want = [o.outputs[0].token_ids
             for o in LLM("pagedllm-demo", dtype="float32").generate(prompts, params,
                                                                      use_tqdm=False)]
-    for folder, method in ((draft, "draft_model"), (eagle, "eagle")):
+    for folder, method in ((draft, "draft_model"), (eagle, "eagle3")):
         llm = LLM("pagedllm-demo", dtype="float32",
                   speculative_config={"model": folder, "num_speculative_tokens": 3})
         assert llm.llm_engine.config.speculative_config.method == method
