@@ -234,6 +234,25 @@ def test_no_import_circles() -> None:
     assert not found, "import circles:\n" + "\n".join(lines)
 
 
+def test_the_contract_depends_only_on_config_torch_and_itself() -> None:
+    """pagedllm.contract imports pagedllm.config, the environment table (pagedllm.envs), torch,
+    the standard library and itself: nothing a plugin would not already have."""
+    allowed = {"pagedllm.config", "pagedllm.envs"}
+    bad = [_describe(i) for i in import_graph() if i.source.startswith("pagedllm.contract")
+           and not i.target.startswith("pagedllm.contract") and i.target not in allowed]
+    for name, path in modules().items():
+        if not name.startswith("pagedllm.contract"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level
+                     and node.module else [])
+            bad += [f"{name} imports {r}" for r in roots
+                    if r.split(".")[0] not in sys.stdlib_module_names | {"torch", "pagedllm"}]
+    assert not bad, "the contract imports more than config, envs, torch and itself:\n" + \
+        "\n".join(bad)
+
+
 # old import paths kept for plugins written against them (re-export modules): in-tree code
 # imports the module that defines the name
 OLD_PATHS = {

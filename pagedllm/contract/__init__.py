@@ -1,7 +1,8 @@
 """The plugin contract: what a hardware backend implements and what the engine asks of it.
 
-A layer of its own: these modules import only ``pagedllm.config``, torch and each other, never
-the engine, the worker, the models or a backend (tests/test_layers.py checks it). Implementations
+A layer of its own: these modules import only ``pagedllm.config`` (and ``pagedllm.envs``, the
+environment table), torch and each other, never the engine, the worker, the models or a backend
+(tests/test_layers.py checks it). Implementations
 (the built-in backends, out-of-tree plugins, the reference room ``pagedllm.reference``) import
 the contract; the engine consults a backend's capabilities as data.
 
