@@ -156,6 +156,7 @@ def test_pp2_matches_pp1(arch: str, tp: int, checkpoint_factory, tp1_tokens) -> 
     try:
         assert engine.config.parallel.distributed_executor_backend == "mp"
         assert len(engine.schedulers) == 2 and len(workers) == 2 * tp
+        assert type(engine.stepper).__name__ == "PipelinedStepper"
         assert greedy(llm) == expected
         # every rank ran every step (its own steps' spans, for benchmarks/pp_timeline.py): the
         # 3 requests split over the 2 virtual engines, each runs its own 8 steps (+ the cpu
