@@ -35,7 +35,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 # ("pagedllm.core.*"), or a package's own __init__ ("pagedllm.backends"); the longest match wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("pagedllm.version", "pagedllm.logger", "pagedllm.envs", "pagedllm.config",
-                    "pagedllm.sampling_params", "pagedllm.outputs", "pagedllm.spec_decode.config")),
+                    "pagedllm.sampling_params", "pagedllm.outputs", "pagedllm.spec_decode.config",
+                    "pagedllm.lora", "pagedllm.lora.config", "pagedllm.lora.request")),
     # the plugin contract, and the old import paths plugins use (re-export modules)
     ("contract", ("pagedllm.contract.*", "pagedllm.backends", "pagedllm.backends.interface",
                   "pagedllm.backends.attention", "pagedllm.backends.registry")),
@@ -44,12 +45,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # device-free bookkeeping; the process-group handles models shard over
     ("core", ("pagedllm.core.*", "pagedllm.distributed.parallel_state")),
     ("models", ("pagedllm.models.*",)),
-    # the device side of a step; speculative decoding's proposers run beside it
-    ("worker", ("pagedllm.worker.*", "pagedllm.spec_decode.*")),
+    # the device side of a step; speculative decoding's proposers and LoRA's adapters run beside it
+    ("worker", ("pagedllm.worker.*", "pagedllm.spec_decode.*", "pagedllm.lora.*")),
     # the built-in backends: implementations of the contract, composing worker and models
     ("backends", ("pagedllm.backends.*",)),
     ("executor", ("pagedllm.executor.*", "pagedllm.distributed.*")),
-    ("engine", ("pagedllm.engine.*",)),
+    ("engine", ("pagedllm.engine.*", "pagedllm.lora.registry")),
     ("api", ("pagedllm", "pagedllm.entrypoints.*", "pagedllm.testing.*")),
 ]
 # compiled extension modules (no .py source): an import of one is an import of nothing here
