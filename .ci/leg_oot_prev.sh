@@ -19,5 +19,9 @@ echo "oot-prev: $EXAMPLE states plugin API $STATED; this pagedllm implements $CU
        "previous one (refresh $EXAMPLE from git history, see its FROZEN.md)" >&2
   exit 1
 }
+PREVIOUS="${CURRENT%%.*}.$(( ${CURRENT#*.} - 1 ))"
+[[ "$STATED" == "$PREVIOUS" ]] || echo "oot-prev: NOTE: the frozen example states $STATED, not" \
+  "the previous minor $PREVIOUS: it still tests that old plugins run unchanged; add a copy of" \
+  "the example as of its last commit stating $PREVIOUS (FROZEN.md says how)"
 exec "$ROOT/.ci/leg_oot.sh" "$EXAMPLE" --conformance-sample 2 \
   "tests/backends/test_plugins.py::test_example_package_when_installed"
