@@ -40,6 +40,10 @@ class Capabilities:
     # they run on the prefill-over-cached-context path). None: what prefix_caching or
     # chunked_prefill imply, the path both need. The engine refuses speculative_config without it.
     multi_token_decode: bool | None = None
+    # (plugin API 2.2) runs LoRA adapters: the op table's lora_shrink / lora_expand are its
+    # kernels (or the references) and the worker's linears add their deltas; enable_lora=True
+    # is refused without it. The conformance suite checks the ops where declared.
+    lora: bool = False
 
     def __post_init__(self) -> None:
         if self.multi_token_decode is None:

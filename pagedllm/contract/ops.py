@@ -76,6 +76,19 @@ class OpTable(Protocol):
         from norm(max(0, p - q)); greedy rows emit the argmax run. Randomness comes only from
         the draws (reference/rejection.py)."""
 
+    def lora_shrink(self, x: torch.Tensor, lora_a: torch.Tensor, mapping: Any) -> torch.Tensor:
+        """LoRA's first product (plugin API 2.2; capabilities.lora): x [T, in], lora_a [S, N, in]
+        (S adapter slots) and ``mapping`` (contract/lora.py ``LoRAMapping``: each token's slot,
+        -1 none) -> [T, N] in lora_a's dtype, x[t] @ lora_a[slot_t]^T, zeros without a slot."""
+
+    def lora_expand(self, y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                    scales: torch.Tensor, mapping: Any, slice_rows: Any) -> None:
+        """LoRA's second product, in place (plugin API 2.2): for each stacked slice i (output
+        rows [slice_rows[i], slice_rows[i + 1])) y[t, rows] += (h[t, i*R:(i+1)*R] @
+        lora_b[slot_t, rows]^T) * scales[slot_t, i], rounded to y's dtype; y [T, out], h [T,
+        n * R], lora_b [S, out, R], scales [S, n] float32; tokens without a slot unchanged
+        (reference/lora.py)."""
+
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         """Replace op ``name`` (one of OP_NAMES) with ``fn``; ValueError for another name."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-PLUGIN_API_VERSION = "2.1"
+PLUGIN_API_VERSION = "2.2"
 
 
 class PluginAPIDeprecationWarning(DeprecationWarning):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.contract.ops import OP_NAMES, check_op_name
+from pagedllm.reference.lora import lora_expand, lora_shrink
 from pagedllm.reference.moe import fused_moe, fused_moe_prepare
 from pagedllm.reference.quant import quant_linear, quant_linear_prepare
 from pagedllm.reference.rejection import rejection_sample
@@ -132,6 +133,9 @@ class Ops:
         # speculative decoding's verification (reference/rejection.py): target logits, drafts
         # and the caller's random draws -> the tokens each sequence emits
         self.rejection_sample: Callable[..., torch.Tensor] = rejection_sample
+        # LoRA's per-token batched shrink and expand (reference/lora.py; punica's layout)
+        self.lora_shrink: Callable[..., torch.Tensor] = lora_shrink
+        self.lora_expand: Callable[..., None] = lora_expand
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         check_op_name(name)

@@ -1,0 +1,56 @@
+"""LoRA's shrink and expand on the cpu: one GEMM per adapter slot in use, over that slot's tokens.
+
+The references (reference/lora.py) find each slot's tokens with a mask per slot and op; here the
+step's grouping is computed once on the host (``LoRAMapping.groups``: a slice where a slot's
+tokens are contiguous, as a prefill chunk's are, else an index) and shared by every linear of
+the step, and a step whose tokens all run one adapter is a single GEMM. Slots in a wider dtype
+than the activations (the cpu runs half-precision models' LoRA in float32: LoRAConfig.lora_dtype)
+take the activations converted once per op.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.contract.lora import LoRAMapping
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    """x [T, in], lora_a [S, N, in] -> [T, N] (lora_a's dtype); zeros without an adapter."""
+    t, n = x.shape[0], lora_a.shape[1]
+    groups = mapping.groups()
+    xc = x.to(lora_a.dtype)
+    if len(groups) == 1 and groups[0][1] == slice(0, t):
+        return torch.mm(xc, lora_a[groups[0][0]].t())
+    out = xc.new_zeros(t, n)
+    for slot, rows in groups:
+        if isinstance(rows, slice):
+            torch.mm(xc[rows], lora_a[slot].t(), out=out[rows])
+        else:
+            out.index_copy_(0, rows, torch.mm(xc.index_select(0, rows), lora_a[slot].t()))
+    return out
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
+                mapping: LoRAMapping, slice_rows: Sequence[int]) -> None:
+    """In place: y [T, out] += each slice's (h block @ B^T) * scale, per token's slot."""
+    rank = lora_b.shape[2]
+    num_slices = len(slice_rows) - 1
+    host_scales = scales.tolist()  # [S][n]: one read for every group
+    for slot, rows in mapping.groups():
+        hs = h[rows] if isinstance(rows, slice) else h.index_select(0, rows)
+        if num_slices == 1:
+            delta = torch.mm(hs, lora_b[slot].t())
+            delta.mul_(host_scales[slot][0])
+        else:
+            delta = hs.new_empty(hs.shape[0], slice_rows[-1])
+            for i in range(num_slices):
+                lo, hi = slice_rows[i], slice_rows[i + 1]
+                part = torch.mm(hs[:, i * rank:(i + 1) * rank], lora_b[slot, lo:hi].t())
+                torch.mul(part, host_scales[slot][i], out=delta[:, lo:hi])
+        delta = delta.to(y.dtype)
+        if isinstance(rows, slice):
+            y[rows].add_(delta)
+        else:
+            y.index_add_(0, rows, delta)
