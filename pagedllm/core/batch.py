@@ -41,6 +41,9 @@ class ScheduledSeq:
     # tokens after the step's sampled one (the block table covers their positions)
     num_spec_tokens: int = 0
     num_lookahead: int = 0
+    # the worker's proposer (draft model, EAGLE head) does not follow this sequence: it neither
+    # runs its tokens nor drafts for it (its KV for the sequence is then incomplete for good)
+    proposer_skip: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -54,6 +54,17 @@ class SpecGuard:
         best = on.value >= off.value
         return (not best) if n % self.explore_every == self.explore_every - 1 else best
 
+    def prefers(self, batch_size: int) -> bool:
+        """The mode measured faster at ``batch_size`` (speculation until both are measured),
+        without counting a step (``speculate`` decides the steps)."""
+        if self.disable_by_batch_size is not None:
+            return 0 < batch_size < self.disable_by_batch_size
+        b = _bucket(batch_size)
+        on, off = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
+        if on.samples < self.min_samples or off.samples < self.min_samples:
+            return True
+        return on.value >= off.value
+
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A step of ``batch_size`` sequences emitted ``tokens`` in ``seconds``."""
         if self.disable_by_batch_size is not None or seconds <= 0 or batch_size <= 0:

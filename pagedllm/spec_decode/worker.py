@@ -108,6 +108,8 @@ class SpecRunner:
         assert self.proposer is not None
         mirror = []
         for i, s in enumerate(seqs):
+            if s.proposer_skip:
+                continue
             samples = outputs[i].samples
             final = s.num_tokens - s.num_spec_tokens
             if s.num_spec_tokens:

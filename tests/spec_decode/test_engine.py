@@ -200,13 +200,27 @@ def test_guided_requests_advance_over_accepted_tokens(llama_path: str, plain: LL
 
 
 def test_disable_by_batch_size(llama_path: str, expected: list[list[int]]) -> None:
+    """Four running with disable_by_batch_size=3: no speculation, and the draft model does not
+    even follow the sequences (no proposer work); two running: it follows and speculates."""
     spec = {"model": llama_path, "num_speculative_tokens": 3, "disable_by_batch_size": 3}
     llm = LLM(llama_path, speculative_config=spec, **ENGINE)
+    stepper = llm.llm_engine.stepper
+    skips: list[bool] = []
+    execute = stepper.executor.execute
+
+    def recording(batch):  # noqa: ANN001, ANN202
+        skips.extend(s.proposer_skip for s in batch.seqs)
+        return execute(batch)
+
+    stepper.executor.execute = recording
     assert tokens(generate(llm, GREEDY)) == expected
-    m = llm.llm_engine.stepper.metrics
+    m = stepper.metrics
     assert m.num_plain_steps > 0 and m.num_draft_tokens == 0  # four running: never speculates
+    assert skips and all(skips)
+    skips.clear()
     assert tokens(generate(llm, GREEDY, PROMPTS[:2])) == expected[:2]
     assert m.num_draft_tokens > 0  # two running: speculates
+    assert not any(skips)
 
 
 def test_refusals_name_the_field(llama_path: str, checkpoint_factory) -> None:

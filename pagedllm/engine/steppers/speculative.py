@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PER_REQUEST_HISTORY = 100_000
+UNFOLLOW_AFTER = 64  # steps without speculation before the device proposer stops following
 
 
 def can_speculate(group: SequenceGroup) -> bool:
@@ -53,6 +54,12 @@ class SpecStepper(Stepper):
         # request id -> [verifications, draft tokens, accepted drafts] (the most recent requests;
         # benchmarks report per-request acceptance from it)
         self.per_request: OrderedDict[str, list[int]] = OrderedDict()
+        # device proposers: whether the proposer follows a sequence, decided when the stepper
+        # first schedules it (by the guard's preferred mode at that batch size) and dropped when
+        # its blocks are freed; steps the guard keeps speculation off in a row (past
+        # UNFOLLOW_AFTER the proposer stops following every sequence: no mirror cost)
+        self._follow: dict[int, bool] = {}
+        self._off_streak = 0
 
     # --- limits ----------------------------------------------------------------------------
     def _room(self, group: SequenceGroup, seq: Sequence, length: int) -> int:
@@ -89,6 +96,8 @@ class SpecStepper(Stepper):
         sched = sch.schedule()
         outputs: list[SeqOutput] = []
         if not sched.batch.is_empty():
+            if self.ngram is None:
+                self._mark_followed(sched, speculate, len(self._running()))
             if self.ngram is None and speculate:
                 self._reserve_lookahead(sched)
             self._prepare(sched)
@@ -98,12 +107,27 @@ class SpecStepper(Stepper):
         sch.after_step(sched)
         return StepDone(sch, sched, outputs)
 
+    def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
+        """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
+        a sequence seen for the first time is followed where speculation is the preferred mode
+        now; after UNFOLLOW_AFTER steps in a row without speculation none is, so a loaded
+        engine whose guard keeps speculation off pays nothing for the proposer."""
+        for seq_id in sched.batch.finished_seq_ids:
+            self._follow.pop(seq_id, None)
+        self._off_streak = 0 if speculate else self._off_streak + 1
+        if self._off_streak == UNFOLLOW_AFTER:
+            self._follow = dict.fromkeys(self._follow, False)
+        prefer = self.guard.prefers(batch_size)
+        for s in sched.batch.seqs:
+            follow = self._follow.setdefault(s.seq_id, prefer)
+            s.proposer_skip = not follow
+
     def _reserve_lookahead(self, sched: SchedulerOutput) -> None:
         """Slots for the drafts the device proposer makes after this step (it writes their KV
         while drafting); a sequence gets none when the cache is short of free blocks."""
         bm: SpecBlockManager = self.scheduler.block_manager  # type: ignore[assignment]
         for s, (group, seq) in zip(sched.batch.seqs, sched.entries):
-            if s.num_samples == 0 or not can_speculate(group):
+            if s.num_samples == 0 or s.proposer_skip or not can_speculate(group):
                 continue
             end = s.start_pos + s.num_tokens  # the sampled token's position, at the latest
             d = max(0, min(self.k, self.max_model_len - end - 1))
