@@ -17,10 +17,12 @@ CHECKPOINT_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_h
                          intermediate_size=256, num_hidden_layers=2, max_position_embeddings=1024)
 
 
-def make_conformance_checkpoint(path: str) -> str:
+def make_conformance_checkpoint(path: str, family: str = "llama", **overrides: Any) -> str:
+    """The suite's checkpoint; another ``family`` (e.g. "mistral" with ``sliding_window``,
+    "gemma2") keeps its attention shape (head size 64, 4 query heads over 2 KV heads)."""
     from pagedllm.testing.checkpoints import make_checkpoint
 
-    return make_checkpoint(path, "llama", seed=0, **CHECKPOINT_CONFIG)
+    return make_checkpoint(path, family, seed=0, **{**CHECKPOINT_CONFIG, **overrides})
 
 
 def prompts(block_size: int) -> list[list[int]]:
@@ -47,6 +49,9 @@ def hf_greedy(path: str, ps: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # transformers 5 applies the checkpoint's generation_config eos even when the passed config
+    # says None; the engine runs with ignore_eos
+    model.generation_config.eos_token_id = None
     cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     with torch.no_grad():

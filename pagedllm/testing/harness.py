@@ -112,12 +112,45 @@ def make_attention(backend: Backend, *, dtype: str, block_size: int, num_heads: 
 KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn}
 
 
-def round_to_cache(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    """``x`` as the cache stores it and reads it back (fp8: e4m3 with scale 1.0, saturating at
-    +-448), in ``x``'s dtype: what the float64 reference must see."""
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def round_to_cache(x: torch.Tensor, kv_cache_dtype: str, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the cache stores it and reads it back, in ``x``'s dtype: what the float64
+    reference must see. fp8 (docs/porting.md, the KV scale contract): ``x / scale`` rounded to
+    e4m3, saturating at +-448, read back times ``scale``."""
     if kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
         return x
-    return x.float().clamp(-448.0, 448.0).to(KV_CACHE_TORCH_DTYPES[kv_cache_dtype]).to(x.dtype)
+    stored = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(KV_CACHE_TORCH_DTYPES[kv_cache_dtype])
+    return (stored.float() * scale).to(x.dtype)
+
+
+def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the host mapped lazily (a large pool costs only the pages touched)."""
+    if device.type == "cpu":
+        from pagedllm.worker.host_memory import lazy_zeros
+
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def stale_pool(impl: AttentionImpl, num_blocks: int, block_size: int, dtype: torch.dtype,
+               device: torch.device, generator: torch.Generator, blocks: list[int]) -> torch.Tensor:
+    """A cache of ``num_blocks`` whose ``blocks`` hold finite stale values (``garbage_cache``'s,
+    or ~N(0, 4) for an fp8 cache) and the rest zeros (lazily mapped on the host): a large pool
+    where only the blocks a step may read cost memory."""
+    shape = cache_shape(impl, num_blocks, block_size)
+    cache = zeros_on(shape, dtype, device)
+    idx = torch.tensor(blocks, dtype=torch.int64)
+    part = list(shape)
+    part[1] = len(blocks)
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        values = (torch.randn(part, generator=generator) * 4).to(dtype)
+        cache.view(torch.uint8).index_copy_(1, idx.to(device), values.view(torch.uint8).to(device))
+    else:
+        values = (torch.randn(part, generator=generator) + GARBAGE_MEAN).to(dtype)
+        cache.index_copy_(1, idx.to(device), values.to(device))
+    return cache
 
 
 def cache_shape(impl: AttentionImpl, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -54,13 +54,17 @@ def measure(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(diff.abs().max()) if diff.numel() else 0.0, float((diff ** 2).sum()) / denom
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str) -> None:
-    """Every element within atol + rtol * |ref| of the reference (the dtype's tolerance)."""
+def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str,
+                 magnitude: torch.Tensor | None = None) -> None:
+    """Every element within atol + rtol * |ref| of the reference (the dtype's tolerance), or
+    atol + rtol * ``magnitude`` where the result is a sum whose terms are larger than it (a
+    weighted average of values near a type's range: its rounding error scales with sum |term|)."""
     max_err, nmse = measure(got, ref)
     finite = bool(torch.isfinite(got).all())
     err = (got.double().cpu() - ref.double().cpu()).abs()
     tol = tolerance(dtype)
-    bound = tol["atol"] + tol["rtol"] * ref.double().cpu().abs()
+    scale = ref if magnitude is None else magnitude
+    bound = tol["atol"] + tol["rtol"] * scale.double().cpu().abs()
     ok = finite and bool((err <= bound).all())
     SINK.add(Figure(what, max_err, nmse, ok))
     if not finite:

@@ -16,6 +16,7 @@ import torch
 from pagedllm.contract.attention import AttentionImpl, AttentionMetadata
 from pagedllm.core.batch import ScheduledSeq
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.testing.coverage import note
 from pagedllm.worker.model_runner import build_metadata
 
 
@@ -42,19 +43,24 @@ class PagedBatch:
     # per sequence, the K/V already cached: [context_len, kvH, D]
     context_keys: list[torch.Tensor] = field(default_factory=list)
     context_values: list[torch.Tensor] = field(default_factory=list)
+    first_block: int = 0  # blocks [first_block, num_blocks) were drawn (the rest stay unused)
 
     @staticmethod
     def random(specs: list[SeqSpec], *, num_heads: int, num_kv_heads: int, head_size: int,
                block_size: int, dtype: torch.dtype, device: torch.device,
                generator: torch.Generator, spare_blocks: int = 3,
-               magnitudes: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> PagedBatch:
+               magnitudes: tuple[float, float, float] = (1.0, 1.0, 1.0),
+               pool_blocks: int | None = None) -> PagedBatch:
         """Fresh random inputs (rounded to ``dtype``) laid out in a shuffled block pool.
 
         ``magnitudes`` multiply the standard-normal Q, K and V (dtype-edge inputs: scores that
-        need a max-subtracted softmax, values beyond a narrower type's range)."""
+        need a max-subtracted softmax, values beyond a narrower type's range). ``pool_blocks``:
+        the blocks come from the top of a pool that large (ids near ``pool_blocks - 1``) instead
+        of a pool just big enough."""
         needed = [-(-s.seq_len // block_size) for s in specs]
-        num_blocks = sum(needed) + spare_blocks
-        pool = torch.randperm(num_blocks, generator=generator).tolist()
+        used = sum(needed) + spare_blocks
+        num_blocks = max(used, pool_blocks or 0)
+        pool = (torch.randperm(used, generator=generator) + (num_blocks - used)).tolist()
         tables, at = [], 0
         for n in needed:
             tables.append(pool[at:at + n])
@@ -70,7 +76,13 @@ class PagedBatch:
             query=rand(qm, t, num_heads, head_size), key=rand(km, t, num_kv_heads, head_size),
             value=rand(vm, t, num_kv_heads, head_size),
             context_keys=[rand(km, s.context_len, num_kv_heads, head_size) for s in specs],
-            context_values=[rand(vm, s.context_len, num_kv_heads, head_size) for s in specs])
+            context_values=[rand(vm, s.context_len, num_kv_heads, head_size) for s in specs],
+            first_block=num_blocks - used)
+
+    def touched_blocks(self) -> list[int]:
+        """Every block a step may read: the drawn ones (tables and spares) and block 0 (the
+        tables' padding)."""
+        return sorted({0, *range(self.first_block, self.num_blocks)})
 
     def reordered(self, order: list[int]) -> PagedBatch:
         """The same sequences (inputs, block tables) in another batch order. ``order`` lists old
@@ -85,7 +97,7 @@ class PagedBatch:
             num_blocks=self.num_blocks, block_tables=[self.block_tables[i] for i in order],
             query=pick(self.query), key=pick(self.key), value=pick(self.value),
             context_keys=[self.context_keys[i] for i in order],
-            context_values=[self.context_values[i] for i in order])
+            context_values=[self.context_values[i] for i in order], first_block=self.first_block)
 
     # --- metadata ------------------------------------------------------------------------
     def _scheduled(self, seq_id: int, start: int, n: int) -> ScheduledSeq:
@@ -119,6 +131,7 @@ class PagedBatch:
             q = torch.cat([q, q[:1].expand(extra, -1, -1)])
             k = torch.cat([k, k[:1].expand(extra, -1, -1)])
             v = torch.cat([v, v[:1].expand(extra, -1, -1)])
+        note_step(self, impl, kv_cache, pad_rows=t - self.query.shape[0])
         out = impl.forward(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), kv_cache, meta)
         if tuple(out.shape) != (t, impl.num_heads * impl.head_size):
             raise AssertionError(f"forward returned shape {tuple(out.shape)}, expected "
@@ -141,25 +154,44 @@ class PagedBatch:
         return torch.cat(outs)
 
 
+def note_step(batch: PagedBatch, impl: AttentionImpl, kv_cache: torch.Tensor,
+                pad_rows: int = 0) -> None:
+    """What one attention step exercised, for the report's shape coverage."""
+    bs = batch.block_size
+    prefills = [s for s in batch.specs if s.query_len > 1]
+    note(kv_heads=impl.num_kv_heads, group=impl.num_heads // impl.num_kv_heads,
+         head_size=impl.head_size, block_size=bs, seqs=len(batch.specs),
+         decodes=len(batch.specs) - len(prefills), max_query=max(s.query_len for s in batch.specs),
+         max_seq_len=max(s.seq_len for s in batch.specs),
+         chunk_offsets=len({s.context_len % bs for s in prefills if s.context_len}),
+         max_block_id=max(b for t in batch.block_tables for b in t), pool_blocks=batch.num_blocks,
+         pad_rows=pad_rows, kv_cache=str(kv_cache.dtype).removeprefix("torch."),
+         sliding_window=impl.sliding_window, soft_cap=impl.logits_soft_cap)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                         scale: float, *, sliding_window: int | None = None,
                         soft_cap: float | None = None) -> torch.Tensor:
-    """q [n, H, D] at positions start..start+n-1; k/v [start+n, kvH, D]; causal; GQA by
-    repeating each kv head for H // kvH consecutive query heads. Returns [n, H, D].
+    """q [n, H, D] at positions start..start+n-1; k/v [start+n, kvH, D]; causal; query head h
+    reads KV head h // (H // kvH). Returns [n, H, D] in q's dtype.
 
     ``sliding_window``: a query at position p sees keys at positions > p - window (and <= p).
     ``soft_cap``: the scaled scores s become cap * tanh(s / cap) before the softmax.
     """
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, n, L]
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    first = 0  # keys before it are outside every query's window
+    if sliding_window is not None:
+        first = max(0, start - sliding_window + 1)
+        k, v = k[first:], v[first:]
+    qg = q.reshape(n, kv_heads, heads // kv_heads, d)  # a KV head's query heads together
+    scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale  # [kvH, G, n, L]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    q_pos = start + torch.arange(q.shape[0])[:, None]
-    k_pos = torch.arange(k.shape[0])[None, :]
+    q_pos = start + torch.arange(n)[:, None]
+    k_pos = first + torch.arange(k.shape[0])[None, :]
     hidden = k_pos > q_pos
     if sliding_window is not None:
         hidden = hidden | (k_pos <= q_pos - sliding_window)
-    scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hgqk,khd->qhgd", probs, v).reshape(n, heads, d)

@@ -16,6 +16,7 @@ import pytest
 
 from pagedllm import envs
 from pagedllm.testing.report import NOT_DECLARED, CheckDims, Coverage, capability_label
+from pagedllm.testing.space import DEFAULT_SEED, FULL, PAIRS, SWEEPS, VALUES, SweepChoice
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,9 @@ DEFAULT_DEVICE = "cpu"
 _COVERAGE = pytest.StashKey[Coverage]()
 _BACKEND_CLS = pytest.StashKey["type[Backend] | None"]()
 _SAMPLED_OUT = pytest.StashKey[set]()  # node ids --conformance-sample leaves out
+_SWEEP = pytest.StashKey[SweepChoice]()
+# capabilities read with a default (a Capabilities without the field declares the default)
+OPTIONAL_CLAIMS = {"deterministic": True}
 
 
 # --- options and markers -------------------------------------------------------------------
@@ -53,6 +57,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "declared parameter value runs once; the rest are reported SKIPPED, sampled "
                     "out). For slow, emulated backends. Default: $PAGEDLLM_CONFORMANCE_SAMPLE "
                     "or all")
+    group.addoption("--conformance-sweep", dest="pagedllm_sweep", default=None,
+                    choices=SWEEPS, help="which combinations of the declared space the swept "
+                    "checks take (space.py): 'pairs' (default: every value of every dimension "
+                    "with every value of every other), 'values' (each value once; the default "
+                    "with --conformance-sample) or 'full' (all)")
+    group.addoption("--conformance-full", dest="pagedllm_full", action="store_true",
+                    help="run every combination of the declared space and every case of every "
+                    "check (--conformance-sweep full, no --conformance-sample)")
+    group.addoption("--conformance-seed", dest="pagedllm_seed", default=None, type=int,
+                    metavar="N", help="seed of the swept checks' free choices (default "
+                    f"{DEFAULT_SEED}; the run's header reports it)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "capabilities (Capabilities fields, 'dtype:NAME', or 'cached_context' = prefix caching "
         "or chunked prefill); skipped, and reported, when the backend does not declare them")
     config.stash[_COVERAGE] = Coverage()
+    seed = config.getoption("pagedllm_seed", None)
+    config.stash[_SWEEP] = SweepChoice(sweep=_sweep_mode(config),
+                                       seed=DEFAULT_SEED if seed is None else seed)
     attention = config.getoption("pagedllm_attention_backend", None)
     if attention:  # every EngineConfig of the run (and of its subprocesses) picks it up
         from pagedllm.config import ATTENTION_BACKEND_ENV
@@ -68,6 +86,23 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ATTENTION_BACKEND_ENV] = attention
     config.pluginmanager.register(_Recorder(config.stash[_COVERAGE]),
                                   "pagedllm-conformance-recorder")
+
+
+def _sweep_mode(config: pytest.Config) -> str:
+    """--conformance-sweep, else full with --conformance-full, values with a sample limit,
+    else pairs."""
+    explicit = config.getoption("pagedllm_sweep", None)
+    if explicit:
+        return explicit
+    if config.getoption("pagedllm_full", False):
+        return FULL
+    from pagedllm.testing.sample import sample_limit
+
+    try:
+        limit = sample_limit(config.getoption("pagedllm_sample", None))
+    except ValueError:  # reported by _sample with the option's name
+        limit = None
+    return VALUES if limit is not None else PAIRS
 
 
 def device_name(config: pytest.Config) -> str:
@@ -91,6 +126,8 @@ def has_capability(caps: Capabilities, name: str) -> bool:
         return name[6:] in caps.dtypes
     if name == "cached_context":  # prefill over KV already in the cache
         return caps.prefix_caching or caps.chunked_prefill
+    if name in OPTIONAL_CLAIMS:  # fields newer than some contracts: their default applies
+        return bool(getattr(caps, name, OPTIONAL_CLAIMS[name]))
     value = getattr(caps, name, None)
     if value is None:
         raise ValueError(f"unknown capability {name!r} in a capability marker")
@@ -164,6 +201,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                                      cls.capabilities.preferred_block_size))
         metafunc.parametrize("conformance_block_size", sizes, ids=[f"bs{s}" for s in sizes])
     _parametrize_sweep(metafunc)
+    if "sweep_case" in metafunc.fixturenames:
+        _parametrize_space(metafunc)
+
+
+def _parametrize_space(metafunc: pytest.Metafunc) -> None:
+    """A swept check (its module's ``SPACES[name](caps, features, kv_cache_dtypes)``): the
+    combinations of its declared space this run takes (space.py), one case each."""
+    from pagedllm.backends.interface import Capabilities
+    from pagedllm.testing.space import case_id
+
+    cls = _backend_class(metafunc.config)
+    caps = cls.capabilities if cls is not None else Capabilities()
+    features, kv = caps.attention_features, caps.kv_cache_dtypes
+    if cls is not None and os.environ.get("PAGEDLLM_ATTENTION_BACKEND"):
+        from pagedllm.testing.sweep import FEATURE, KV_CACHE_DTYPE
+
+        # the chosen implementation's own: a case it would skip is not worth a slot
+        features = tuple(f for f in features if _chosen_attention_supports(cls, FEATURE + f))
+        kv = tuple(k for k in kv if k == "auto" or
+                   _chosen_attention_supports(cls, KV_CACHE_DTYPE + k))
+    name = metafunc.function.__name__
+    space = metafunc.module.SPACES[name](caps, features, kv)
+    choice = metafunc.config.stash[_SWEEP]
+    cases = space.cases(choice.sweep, choice.seed)
+    choice.taken[f"{metafunc.module.__name__.rsplit('.', 1)[-1]}::{name}"] = (len(cases),
+                                                                              space.size)
+    metafunc.parametrize("sweep_case", cases, ids=[case_id(c) for c in cases])
 
 
 def _parametrize_sweep(metafunc: pytest.Metafunc) -> None:
@@ -191,6 +255,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     _check_backend(config)
     cov = config.stash[_COVERAGE]
+    choice = config.stash[_SWEEP]
+    if choice.taken:
+        cov.header += f"; {choice.describe()}"
+        cov.info["sweep"] = {"mode": choice.sweep, "seed": choice.seed,
+                             "checks": {k: {"cases": n, "space": t}
+                                        for k, (n, t) in choice.taken.items()}}
     _sample(config, suite)
     for item in suite:
         cov.area_of[item.nodeid] = getattr(item.module, "AREA", item.module.__name__)
@@ -208,7 +278,7 @@ def _sample(config: pytest.Config, suite: list[pytest.Item]) -> None:
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
     config.stash[_SAMPLED_OUT] = set()
-    if limit is None:
+    if limit is None or config.getoption("pagedllm_full", False):
         return
     cls = _backend_class(config)
     assert cls is not None
@@ -226,10 +296,15 @@ def _sample(config: pytest.Config, suite: list[pytest.Item]) -> None:
 def _dims(item: pytest.Item, area: str, needs: list[str]) -> CheckDims:
     """The check's place in the PASS/FAIL matrix: capability x dtype x block size x head size."""
     params = getattr(getattr(item, "callspec", None), "params", {})
+    case = params.get("sweep_case") or {}
+    named = getattr(item.module, "CAPABILITY_OF", {}).get(getattr(item, "originalname", ""))
+    if case and named:  # a swept check keeps one row per dtype, whatever its case needs
+        return CheckDims(capability=named, dtype=case.get("dtype"),
+                         block_size=case.get("block_size"), head_size=case.get("head_size"),
+                         gqa_group=case.get("group"))
     own = [n for n in needs if not n.startswith(("dtype:", "head_size:", "gqa_group:"))]
     block = params.get("conformance_block_size", params.get("conformance_sweep_block_size"))
     head = params.get("conformance_head_size", params.get("head_size"))
-    named = getattr(item.module, "CAPABILITY_OF", {}).get(getattr(item, "originalname", ""))
     return CheckDims(capability=capability_label(own[0]) if own else named or area,
                      dtype=params.get("conformance_dtype"), block_size=block, head_size=head,
                      gqa_group=params.get("conformance_gqa_group"))
@@ -266,6 +341,17 @@ def _needs(item: pytest.Item) -> list[str]:
             needs.append(f"head_size:{params[key]}")
     if "conformance_gqa_group" in params:
         needs.append(f"gqa_group:{params['conformance_gqa_group']}")
+    case = params.get("sweep_case") or {}
+    if "dtype" in case:
+        needs.append(f"dtype:{case['dtype']}")
+    if "head_size" in case:
+        needs.append(f"head_size:{case['head_size']}")
+    if case.get("group", 1) > 1:
+        needs.append(f"gqa_group:{case['group']}")
+    if case.get("kv_cache", "auto") != "auto":
+        needs.append(f"kv_cache:{case['kv_cache']}")
+    if case.get("feature", "none") != "none":
+        needs.append(f"feature:{case['feature']}")
     return needs
 
 
@@ -326,13 +412,17 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     if not _in_suite(item):
         yield
         return
+    from pagedllm.testing.coverage import SHAPES
     from pagedllm.testing.metrics import SINK
 
     SINK.open()
+    SHAPES.open()
     try:
         yield
     finally:
-        item.config.stash[_COVERAGE].figures[item.nodeid] = [f.as_dict() for f in SINK.close()]
+        cov = item.config.stash[_COVERAGE]
+        cov.figures[item.nodeid] = [f.as_dict() for f in SINK.close()]
+        cov.shapes[item.nodeid] = SHAPES.close()
 
 
 class _Recorder:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.testing.coverage import merge, summarize
+
 NOT_DECLARED = "does not declare capability "
 PASS, FAIL, UNDECLARED, SKIP = "PASS", "FAIL", "NOT DECLARED", "SKIPPED"
-REPORT_SCHEMA = 1
+REPORT_SCHEMA = 2  # 2: "sweep", "coverage" and each check's "shape"
 
 
 def capability_label(name: str) -> str:
@@ -51,6 +53,7 @@ class Coverage:
     messages: dict[str, str] = field(default_factory=dict)  # nodeid -> failure/skip reason
     info: dict[str, Any] = field(default_factory=dict)  # backend facts for the JSON report
     label_of: dict[str, str] = field(default_factory=dict)  # nodeid -> "module::test[params]"
+    shapes: dict[str, dict[str, list]] = field(default_factory=dict)  # nodeid -> coverage facts
 
     def record(self, nodeid: str, when: str, outcome: str, message: str = "") -> None:
         if nodeid not in self.area_of:
@@ -122,10 +125,25 @@ class Coverage:
                              (("bs", "block_sizes"), ("hs", "head_sizes"), ("g", "gqa_groups"))
                              if cell[key]) or "-"
             out.append(f"{cap:<26} {dtype:<9} {result:<13} {n or cell['undeclared']:>6}  {sizes}")
+        coverage = self.coverage()
+        if coverage:
+            out += ["", "shape coverage (what the passed cases reached, per check):"]
+            for check, facts in sorted(coverage.items()):
+                out.append(f"  {check} [{facts['passed']} passed]: {summarize(facts['shape'])}")
         failed = sorted({cap for (cap, _), c in self.matrix().items() if c["status"] == FAIL})
         out.append("")
         out.append("FAILED capabilities: " + (", ".join(failed) if failed else "none"))
         return out
+
+    def coverage(self) -> dict[str, dict[str, Any]]:
+        """check function ("module::test") -> {passed: n, shape: the union of what its passed
+        cases noted (coverage.py)}; checks that noted nothing are left out."""
+        by_check: dict[str, list[str]] = defaultdict(list)
+        for nodeid in self.outcome:
+            if self.status(nodeid) == PASS and self.shapes.get(nodeid):
+                by_check[self.label_of.get(nodeid, nodeid).split("[")[0]].append(nodeid)
+        return {check: {"passed": len(ids), "shape": merge(self.shapes[i] for i in ids)}
+                for check, ids in by_check.items()}
 
     # --- the machine-readable report ----------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -144,6 +162,7 @@ class Coverage:
                 "nmse": max((f["nmse"] for f in figures), default=None) if figures else None,
                 "figures": [{k: (v if v != float("inf") else "inf") for k, v in f.items()}
                             for f in figures],
+                "shape": self.shapes.get(nodeid, {}),
                 "message": self.messages.get(nodeid, "")[:2000]})
         matrix = [{"capability": cap, "dtype": dtype, **{k: v for k, v in cell.items()
                                                         if k != "failures"}}
@@ -151,7 +170,8 @@ class Coverage:
         summary = {s: sum(1 for c in checks if c["status"] == s)
                    for s in (PASS, FAIL, UNDECLARED, SKIP)}
         return {"schema": REPORT_SCHEMA, **self.info, "backend": self.backend,
-                "source": self.source, "summary": summary, "matrix": matrix, "checks": checks}
+                "source": self.source, "summary": summary, "matrix": matrix,
+                "coverage": self.coverage(), "checks": checks}
 
     def write_json(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

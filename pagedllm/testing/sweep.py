@@ -23,6 +23,7 @@ LONG_CONTEXT = 4100
 CUSTOM_SCALES = (0.03, 1.0)
 # limit-need prefixes the plugin understands, besides Capabilities fields and dtype:NAME
 HEAD_SIZE, GQA_GROUP, FEATURE, KV_CACHE_DTYPE = "head_size:", "gqa_group:", "feature:", "kv_cache:"
+QUANTIZATION = "quantization:"
 
 
 def head_sizes(caps: Capabilities | None) -> list[int]:
@@ -64,13 +65,16 @@ def has_limit(caps: Capabilities, need: str) -> bool | None:
         return need[len(FEATURE):] in caps.attention_features
     if need.startswith(KV_CACHE_DTYPE):
         return need[len(KV_CACHE_DTYPE):] in caps.kv_cache_dtypes
+    if need.startswith(QUANTIZATION):
+        return need[len(QUANTIZATION):] in caps.quantizations
     return None
 
 
 def limit_label(need: str) -> str:
     """How a need reads in the summary: 'head size 80', 'GQA group 6', 'sliding_window' ..."""
     for prefix, label in ((HEAD_SIZE, "head size "), (GQA_GROUP, "GQA group "),
-                          (FEATURE, ""), (KV_CACHE_DTYPE, "kv cache ")):
+                          (FEATURE, ""), (KV_CACHE_DTYPE, "kv cache "),
+                          (QUANTIZATION, "quantization ")):
         if need.startswith(prefix):
             return label + need[len(prefix):]
     return need

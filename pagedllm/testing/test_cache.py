@@ -1,4 +1,5 @@
-"""KV-cache writes, block copy (copy-on-write) and swap, checked element by element.
+"""KV-cache writes, block copy (copy-on-write) and swap, checked element by element; copy and swap
+also swept over the declared space (KV-cache dtypes, block sizes, large pools, many pairs).
 
 Layout-agnostic: the contract fixes only that dim 1 of a layer's cache indexes blocks, so writes
 are checked per block (the multiset of values in a block must be exactly the K and V of the
@@ -10,9 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from typing import Any
+
 from pagedllm.contract.backend import Backend
-from pagedllm.testing.harness import cache_shape, make_attention, nan_cache, torch_dtype
+from pagedllm.testing.coverage import note
+from pagedllm.testing.harness import (KV_CACHE_TORCH_DTYPES, cache_shape, make_attention,
+                                      nan_cache, stale_pool, torch_dtype)
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec
+from pagedllm.testing.shapes import pool_blocks
+from pagedllm.testing.space import Space
 
 AREA = "cache write/copy/swap"
 CAPABILITY_OF = {"test_write_kv_fills_exactly_the_mapped_slots": "cache write",
@@ -131,3 +138,87 @@ def test_swap_out_and_in(conformance_backend: Backend, conformance_dtype: str,
         expected[:, [7, 8, 9]] = orig[:, [3, 5, 0]]
         assert torch.equal(cache.cpu(), expected), (
             f"layer {layer}: after swap-in the device cache differs from the reference")
+
+
+# --- the declared space (issue 41): fp8 caches, large pools, many pairs -------------------------
+def _cache_space(caps: Any, features: Any = None, kv_cache_dtypes: Any = None) -> Space:
+    kv = caps.kv_cache_dtypes if kv_cache_dtypes is None else kv_cache_dtypes
+    return Space({"dtype": list(caps.dtypes), "kv_cache": list(dict.fromkeys(kv or ("auto",))),
+                  "block_size": sorted(caps.block_sizes), "pool": ["small", "large"],
+                  "pairs": [1, WIDE_PAIRS]})
+
+
+SPACES = {"test_copy_and_swap_sweep": _cache_space}
+CAPABILITY_OF["test_copy_and_swap_sweep"] = "block copy/swap sweep"
+WIDE_PAIRS = 67  # past 16, 32 and 64 pairs per call
+
+
+def _poison(cache: torch.Tensor, blocks: torch.Tensor) -> None:
+    """NaN into ``blocks`` (0x7F bytes for an fp8 cache: e4m3's NaN)."""
+    if cache.dtype in KV_CACHE_TORCH_DTYPES.values():
+        cache.view(torch.uint8).index_fill_(1, blocks.to(cache.device), 0x7F)
+    else:
+        cache.index_fill_(1, blocks.to(cache.device), float("nan"))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.cpu().contiguous().view(torch.uint8)
+
+
+def test_copy_and_swap_sweep(conformance_backend: Backend, conformance_caps: Any,
+                             sweep_case: dict, conformance_device: torch.device) -> None:
+    """copy_blocks and (where declared) swap_blocks over 3 layers, in the KV-cache dtype (fp8
+    caches move bits), between blocks at the top of a large pool (ids past 32,767 where memory
+    allows) or a small one, 1 or 67 pairs a call: destinations poisoned first, every moved block
+    bit-exact, their neighbours untouched."""
+    case, dev, b = sweep_case, conformance_device, conformance_backend
+    bs, kv = case["block_size"], case["kv_cache"]
+    impl = make_attention(b, dtype=case["dtype"], block_size=bs, num_heads=4, num_kv_heads=2,
+                          head_size=64, kv_cache_dtype=None if kv == "auto" else kv)
+    cdt = KV_CACHE_TORCH_DTYPES.get(kv, torch_dtype(case["dtype"]))
+    n = case["pairs"]
+    block_bytes = (torch.Size(cache_shape(impl, 1, bs)).numel()
+                   * torch.tensor([], dtype=cdt).element_size())
+    num_blocks = (pool_blocks("decode", 2 * n + 8, block_bytes * NUM_LAYERS, dev.type == "cpu")
+                  if case["pool"] == "large" else 2 * n + 8)
+    rng = torch.Generator().manual_seed(bs * 1000 + n)
+    region = num_blocks - (2 * n + 8) + torch.randperm(2 * n + 8, generator=rng)
+    src, dst, spare = region[:n], region[n:2 * n], region[2 * n:]
+    blocks = torch.cat([src, dst, spare])
+    caches = [stale_pool(impl, num_blocks, bs, cdt, dev, rng, blocks.tolist())
+              for _ in range(NUM_LAYERS)]
+    before = [_bits(c[:, blocks.to(dev)]) for c in caches]
+    for c in caches:
+        _poison(c, dst)
+    ops = b.cache_ops()
+    ops.copy_blocks(caches, torch.stack([src, dst], 1).to(dev))
+    b.synchronize()
+    for layer, c in enumerate(caches):
+        got = _bits(c[:, blocks.to(dev)])
+        want = before[layer].clone()
+        want[:, n:2 * n] = before[layer][:, :n]  # destinations = sources; the rest unchanged
+        assert torch.equal(got, want), (
+            f"layer {layer}: copy_blocks of {n} pairs (block ids up to {int(blocks.max())} of "
+            f"{num_blocks}, {kv} cache) differs from the bit-exact reference")
+    note(pairs=n, max_block_id=int(blocks.max()), pool_blocks=num_blocks, kv_cache=kv,
+         block_size=bs)
+    if not conformance_caps.swap:
+        return
+    host = [torch.zeros(cache_shape(impl, n + 2, bs), dtype=cdt) for _ in caches]
+    if b.host_pin_memory():
+        host = [h.pin_memory() for h in host]
+    out_pairs = torch.stack([src, torch.arange(n) + 1], 1)  # host block 0 and n + 1 stay zero
+    ops.swap_blocks(caches, host, out_pairs)
+    b.synchronize()
+    for c in caches:
+        _poison(c, spare[:min(n, len(spare))])
+    back = spare[:min(n, len(spare))]
+    ops.swap_blocks(host, caches, torch.stack([torch.arange(len(back)) + 1, back], 1))
+    b.synchronize()
+    for layer, (c, h) in enumerate(zip(caches, host)):
+        assert torch.equal(_bits(h[:, 1:n + 1]), _bits(before[layer][:, :n].view(cdt))), (
+            f"layer {layer}: swap-out of {n} blocks ({kv} cache) differs bit for bit")
+        assert not _bits(h[:, 0]).any() and not _bits(h[:, n + 1]).any(), (
+            f"layer {layer}: swap-out wrote a host block it was not given")
+        assert torch.equal(_bits(c[:, back.to(dev)]), _bits(h[:, 1:len(back) + 1])), (
+            f"layer {layer}: swap-in of {len(back)} blocks ({kv} cache) differs bit for bit")
