@@ -1,6 +1,6 @@
 """Train the demo model's speculative-decoding proposers: a small draft model and an EAGLE head.
 
-    python tools/train_draft_model.py --corpus .carry/stdlib.jsonl.gz   # ~2.5 min on one GPU
+    python tools/train_draft_model.py --corpus .carry/stdlib-3.11.7.jsonl.gz   # < 3 min on one GPU
 
 Both learn from the demo model (``--target``, default pagedllm/models/demo_model) on its own
 training split of the CPython standard library (tools/demo_data.py: the same held-out files),
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-steps", type=int, default=0, help="per model (0: no limit)")
-    p.add_argument("--time-budget-s", type=float, default=70.0,
+    p.add_argument("--time-budget-s", type=float, default=60.0,
                    help="training seconds per model (0: no limit)")
     p.add_argument("--max-epochs", type=float, default=4.0,
                    help="passes over the training tokens per model (0: no limit)")
