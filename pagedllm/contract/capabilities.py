@@ -44,6 +44,10 @@ class Capabilities:
     # kernels (or the references) and the worker's linears add their deltas; enable_lora=True
     # is refused without it. The conformance suite checks the ops where declared.
     lora: bool = False
+    # (plugin API 2.2) the same step (or op call) on the same inputs gives the same bits every
+    # time; False where the kernels reduce in a run-dependent order (atomics, split-K chosen at
+    # run time). The conformance suite checks it where declared.
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.multi_token_decode is None:

@@ -14,10 +14,13 @@ from typing import Any
 FLAG_HELP: dict[str, str] = {
     "graphs": "captures decode steps as device graphs and replays them (checked: captures and "
               "replays counted, replay equals eager)",
-    "swap": "swaps KV blocks to host memory on preemption (checked: swap out/in block by block)",
+    "swap": "swaps KV blocks to host memory on preemption (checked: swap out/in block by block, "
+            "and an engine's preemption observed moving blocks bit for bit)",
     "static_shapes": "needs inputs padded to buckets (checked: pad rows change nothing)",
-    "prefix_caching": "reuses cached prompt blocks (checked: prefill over cached context, e2e)",
-    "chunked_prefill": "splits long prompts over steps (checked: prefill over earlier chunks, e2e)",
+    "prefix_caching": "reuses cached prompt blocks (checked: prefill over cached context, e2e, "
+                      "and a second pass observed computing fewer prefill tokens)",
+    "chunked_prefill": "splits long prompts over steps (checked: prefill over earlier chunks, e2e, "
+                       "and chunks observed reaching attention)",
     "dtypes": "model dtypes it runs (every check runs per declared dtype)",
     "kv_cache_dtypes": "KV-cache storage types besides the model dtype ('auto')",
     "preferred_block_size": "the KV block size used when none is asked for",
@@ -33,6 +36,8 @@ FLAG_HELP: dict[str, str] = {
     "pipeline_parallel": "runs pipeline stages (activations sent between ranks)",
     "multi_token_decode": "attends several new tokens per decoding sequence in one step "
                           "(speculative decoding's verification needs it)",
+    "deterministic": "the same step twice gives the same bits (checked: attention steps, ops "
+                     "and engine rounds compared bit for bit)",
 }
 
 
