@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm import LLM
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.lora.request import LoRARequest
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
-           "RequestOutput", "RequestOutputKind", "CompletionOutput", "__version__"]
+           "RequestOutput", "RequestOutputKind", "CompletionOutput", "LoRARequest", "__version__"]
 
 _LAZY = {
     "LLM": "pagedllm.engine.llm",
@@ -26,6 +27,7 @@ _LAZY = {
     "EngineArgs": "pagedllm.engine.arg_utils",
     "AsyncEngineArgs": "pagedllm.engine.arg_utils",
     "AsyncLLMEngine": "pagedllm.engine.async_engine",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 

@@ -111,6 +111,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None
     policy: str = "fcfs"
+    # most distinct LoRA adapters running at once (LoRAConfig.max_loras, the workers' device
+    # slots); 0: LoRA is off
+    max_loras: int = 0
     # True when resolve() chose max_num_batched_tokens (none was given): a backend may then set
     # its own default in check_and_update_config (cpu: chunked prefill, 4096 tokens per step)
     budget_defaulted: bool = field(default=False, init=False, repr=False)
@@ -201,6 +204,8 @@ class EngineConfig:
     guided_decoding_backend: str = "xgrammar"
     # speculative decoding (pagedllm.spec_decode.SpeculativeConfig), None: off
     speculative_config: Any = None
+    # LoRA adapters (pagedllm.lora.config.LoRAConfig), None: off (enable_lora=False)
+    lora_config: Any = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding_backend not in ("xgrammar", "auto"):
@@ -208,3 +213,5 @@ class EngineConfig:
                              f"invalid: allowed: xgrammar, auto")
         if self.attention_backend is None:  # unset: $PAGEDLLM_ATTENTION_BACKEND, else the default
             self.attention_backend = envs.PAGEDLLM_ATTENTION_BACKEND
+        if self.lora_config is not None:  # the scheduler keeps to the workers' adapter slots
+            self.scheduler.max_loras = self.lora_config.max_loras

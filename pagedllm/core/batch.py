@@ -44,6 +44,9 @@ class ScheduledSeq:
     # the worker's proposer (draft model, EAGLE head) does not follow this sequence: it neither
     # runs its tokens nor drafts for it (its KV for the sequence is then incomplete for good)
     proposer_skip: bool = False
+    # the request's adapter (pagedllm.lora.request.LoRARequest) or None: the base model alone;
+    # reaches the workers once, with the sequence (NewSeq)
+    lora_request: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,7 @@ class NewSeq:
     # positions [0, start_pos of its first chunk) when its sampling reads the whole sequence
     # (penalties: ScheduledSeq.history), else None: the workers keep no tokens for it
     token_ids: list[int] | None = None
+    lora_request: Any = None  # its adapter (ScheduledSeq.lora_request)
 
 
 class SeqChunk(NamedTuple):

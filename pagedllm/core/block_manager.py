@@ -58,12 +58,15 @@ class BlockManager:
 
     # --- content keys (prefix caching) ---------------------------------------------------
     def _block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
-        """Keys of the first ``num_blocks`` full blocks: (hash of parent key, block's token ids)."""
+        """Keys of the first ``num_blocks`` full blocks: (hash of parent key, block's token ids);
+        the first block's parent is the sequence's adapter (None without one): the KV of the
+        same tokens differs between adapters."""
         keys = self._keys.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else None
+            parent = hash(keys[-1]) if keys else (("lora", seq.lora_int_id) if seq.lora_int_id
+                                                  else None)
             keys.append((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return keys
 

@@ -181,12 +181,23 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
         self._enqueue_waiting(group)
 
+    def _lora_fits(self, group: SequenceGroup) -> bool:
+        """Whether ``group`` may join the running requests without more distinct adapters
+        running than ``max_loras`` (the workers' device slots; 0: LoRA is off)."""
+        lora_id = group.lora_int_id
+        if not lora_id or not self.config.max_loras:
+            return True
+        running = {g.lora_int_id for g in self.running} - {0}
+        return lora_id in running or len(running) < self.config.max_loras
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget,
                           chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
         for group in sorted(self.swapped, key=SequenceGroup.sort_key):
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             if budget.seqs < len(seqs) or budget.tokens < len(seqs):
                 break
+            if not self._lora_fits(group):
+                continue  # its adapter waits for a slot; others may come back
             if not self.block_manager.can_swap_in(group):
                 break
             out.batch.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
@@ -204,8 +215,20 @@ class Scheduler:
     def _schedule_waiting(self, budget: _Budget,
                           chunks: list[tuple[SequenceGroup, list[Chunk]]]) -> None:
         chunked = self.config.enable_chunked_prefill
+        skipped: list[SequenceGroup] = []  # waiting for an adapter slot (LoRA), order kept
+        try:
+            self._admit_waiting(budget, chunks, chunked, skipped)
+        finally:
+            for group in reversed(skipped):
+                self.waiting.insert(0, group)
+
+    def _admit_waiting(self, budget: _Budget, chunks: list[tuple[SequenceGroup, list[Chunk]]],
+                       chunked: bool, skipped: list[SequenceGroup]) -> None:
         while self.waiting:
             group = self.waiting[0]
+            if not self._lora_fits(group):
+                skipped.append(self.waiting.pop(0))  # later requests may use running adapters
+                continue
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if budget.seqs < len(seqs):
                 return
@@ -253,6 +276,7 @@ class Scheduler:
                     history=seq.token_ids if needs_history else None,
                     prompt_logprob_targets=(seq.token_ids[start + 1:min(start + n + 1, seq.prompt_len)]
                                             if group.wants_prompt_logprobs() else None),
+                    lora_request=group.lora_request,
                 )
                 seq.num_computed_tokens += n
                 # multi-token chunks first: the worker lays prefills out before decodes
@@ -317,7 +341,7 @@ class Scheduler:
                 seq_id=seq.seq_id, token_ids=[PENDING_TOKEN], start_pos=seq.num_computed_tokens,
                 block_table=self.block_manager.block_tables[seq.seq_id],
                 sampling_params=group.sampling_params, num_samples=1, seq_index=seq.index,
-                prompt_len=seq.prompt_len))
+                prompt_len=seq.prompt_len, lora_request=group.lora_request))
             out.entries.append((group, seq))
             seq.num_computed_tokens += 1  # one past len(seq) until prev's token is appended
         out.batch.finished_seq_ids = self._finished_seq_ids

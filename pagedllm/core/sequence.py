@@ -43,6 +43,10 @@ class Sequence:
     ``len(self) + 1``; appending that token restores the invariant.
     """
 
+    # the request's adapter id (LoRARequest.lora_int_id), 0: none; roots the prefix-cache keys
+    # of its blocks, so sequences of different adapters never share KV blocks
+    lora_int_id: int = 0
+
     def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
         self.seq_id = seq_id
         self.index = index  # position among the request's completions (0 .. best_of-1)
@@ -117,6 +121,7 @@ class SequenceGroup:
     deadline: float | None = None  # monotonic clock; finished as "timeout" once passed
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    lora_request: Any = None  # pagedllm.lora.request.LoRARequest or None
     forked: bool = False  # set once the first sample created the best_of sequences
     order: int = field(default=0, compare=False)  # tie-breaker: admission counter
 
@@ -146,6 +151,11 @@ class SequenceGroup:
         if self.sampling_params.prompt_logprobs is None:
             return False
         return self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 without one."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def sort_key(self) -> tuple[int, float, int]:
         """Lower sorts first: higher priority (smaller number), then earlier arrival."""

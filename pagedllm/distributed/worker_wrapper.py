@@ -111,6 +111,15 @@ class WorkerWrapper:
         """A step as the change to the state this rank keeps (worker/seq_states.py)."""
         return self.worker.execute_step(step)
 
+    def add_lora(self, request: Any) -> bool:
+        return self.worker.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.worker.list_loras()
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -11,6 +11,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCon
                              SchedulerConfig)
 from pagedllm.config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES
 from pagedllm.engine.arg_cli import add_dataclass_args, dataclass_kwargs
+from pagedllm.lora.config import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 DEMO_MODEL = "pagedllm-demo"
@@ -108,6 +109,19 @@ class EngineArgs:
                 "\"num_speculative_tokens\": 4}', '{\"model\": DRAFT_DIR, "
                 "\"num_speculative_tokens\": 4}' or '{\"method\": \"eagle\", \"model\": "
                 "HEAD_DIR, \"num_speculative_tokens\": 4}'; default: off."})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "Serve LoRA adapters (PEFT folders) on top of the base model: requests name "
+                "one (lora_request, or the OpenAI model field with --lora-modules)."})
+    max_loras: int = field(default=1, metadata={
+        "help": "Most distinct LoRA adapters in one step (device slots allocated at start)."})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "Largest LoRA rank the slots hold; adapters of a higher rank are refused."})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "LoRA adapters kept loaded in host memory (an LRU; default: max_loras)."})
+    lora_dtype: str = field(default="auto", metadata={
+        "help": "dtype of the LoRA slots; auto: the model dtype (the cpu backend computes a "
+                "half-precision model's LoRA in float32).",
+        "choices": ("auto", "float32", "float16", "bfloat16")})
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -153,7 +167,12 @@ class EngineArgs:
                             disable_async_output_proc=self.disable_async_output_proc,
                             guided_decoding_backend=self.guided_decoding_backend,
                             speculative_config=SpeculativeConfig.from_value(
-                                self.speculative_config))
+                                self.speculative_config),
+                            lora_config=(LoRAConfig(max_loras=self.max_loras,
+                                                    max_lora_rank=self.max_lora_rank,
+                                                    max_cpu_loras=self.max_cpu_loras,
+                                                    lora_dtype=self.lora_dtype)
+                                         if self.enable_lora else None))
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -24,6 +24,7 @@ def validate_config(config: EngineConfig, backend: Backend) -> str:
     check_tensor_parallel(config, backend)
     check_pipeline_parallel(config, backend, arch)
     check_speculative(config, backend)
+    check_lora(config, backend)
     return arch
 
 
@@ -42,6 +43,24 @@ def check_speculative(config: EngineConfig, backend: Backend) -> None:
         from pagedllm.engine.speculative import check_speculative as check
 
         check(config, backend)
+
+
+def check_lora(config: EngineConfig, backend: Backend) -> None:
+    """enable_lora=True only on a backend that declares ``Capabilities.lora`` (its op table
+    runs lora_shrink / lora_expand), and not with speculative decoding (not yet combined)."""
+    if getattr(config, "lora_config", None) is None:
+        return
+    if not backend.capabilities.lora:
+        from pagedllm.contract.registry import discover
+
+        able = [i.name for i in discover().values()
+                if getattr(i, "cls", None) is not None and i.cls.capabilities.lora]
+        raise ValueError(f"enable_lora=True: the {backend.name} backend does not run LoRA "
+                         f"adapters (Capabilities.lora); backends that do: "
+                         f"{', '.join(able) or 'none installed'}")
+    if config.speculative_config is not None:
+        raise ValueError("enable_lora=True with speculative_config is not supported yet; turn "
+                         "one of them off")
 
 
 # --- the model ---------------------------------------------------------------------------

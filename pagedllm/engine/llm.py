@@ -48,9 +48,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. During the call Python's
-        cyclic garbage collector runs no full collection (engine/gc_freeze.py)."""
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: a
+        LoRARequest for every prompt, or a list of one (or None) per prompt (enable_lora=True).
+        During the call Python's cyclic garbage collector runs no full collection
+        (engine/gc_freeze.py)."""
         if getattr(self, "_shut_down", False):
             raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new one")
         if isinstance(prompts, (str, dict)):
@@ -74,12 +76,19 @@ class LLM:
             if id(p) not in final:
                 final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
         params = [final[id(p)] for p in params]
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"lora_request has {len(lora_request)} entries for "
+                                 f"{len(prompts)} prompts; pass one or a list of the same length")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         ids = []
         with frozen_gc():  # no full collection over the process's objects mid-run
             try:
-                for prompt, p in zip(prompts, params):
+                for prompt, p, lora in zip(prompts, params, loras):
                     rid = str(next(self._counter))
-                    self.llm_engine.add_request(rid, prompt, p)
+                    self.llm_engine.add_request(rid, prompt, p, lora_request=lora)
                     ids.append(rid)
             except Exception:
                 self.llm_engine.abort_request(ids)
@@ -108,7 +117,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list) and generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
@@ -119,7 +128,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

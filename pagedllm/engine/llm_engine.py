@@ -20,6 +20,7 @@ from pagedllm.engine.speculative import SpeculativeDecoding
 from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.factory import make_executor
+from pagedllm.lora.registry import LoRARegistry
 from pagedllm.models.layers.attention import model_sliding_window
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -42,6 +43,10 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     # speculative decoding's counters (spec_decode/metrics.py as_dict), None without it
     spec_decode: dict | None = None
+    # LoRA (vLLM's lora_requests_info): names of the adapters running / waiting requests use
+    running_lora_adapters: list[str] | None = None
+    waiting_lora_adapters: list[str] | None = None
+    max_lora: int = 0
 
 
 class LLMEngine:
@@ -55,6 +60,8 @@ class LLMEngine:
         config.device = self.backend.name
         self.backend.check_and_update_config(config)
         validate_config(config, self.backend)  # model, capabilities, parallel layout
+        # LoRA adapters: each checked against the model before a request runs it
+        self.lora = LoRARegistry(config) if config.lora_config is not None else None
         self.tokenizer = get_tokenizer(config.model.tokenizer)
         self.eos_token_ids = stop_token_ids_of(self.tokenizer, config.model.model)
         # speculative decoding (engine/speculative.py): its workers, classes and stepper below
@@ -154,10 +161,16 @@ class LLMEngine:
                              f"KV cache size")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: Any = None) -> None:
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request was given but enable_lora=False; create the engine "
+                                 "with enable_lora=True to run adapters")
+            self.lora.check(lora_request)  # ValueError naming what is wrong with the adapter
         params = (params or SamplingParams()).clone()
         text, token_ids = self._prompt_ids(prompt)
         self.validate_prompt(token_ids)
@@ -169,6 +182,8 @@ class LLMEngine:
             params.all_stop_token_ids |= self.eos_token_ids
         now = time.time()
         seq = Sequence(next(self._seq_ids), token_ids)
+        if lora_request is not None:
+            seq.lora_int_id = lora_request.lora_int_id  # the prefix cache's key root
         self.output_processor.start(seq, params)
         group = SequenceGroup(
             request_id=request_id, seqs=[seq], sampling_params=params,
@@ -176,7 +191,8 @@ class LLMEngine:
             priority=priority,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
             deadline=(time.monotonic() + params.timeout_seconds
-                      if params.timeout_seconds is not None else None))
+                      if params.timeout_seconds is not None else None),
+            lora_request=lora_request)
         self._requests[request_id] = group
         if params.guided_decoding is not None:
             self.guided.add(group)  # joins the scheduler once its grammar is compiled
@@ -273,6 +289,32 @@ class LLMEngine:
         group.seqs.append(child)
         return child
 
+    # --- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------
+    def _lora_registry(self) -> LoRARegistry:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.lora
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Check an adapter against the model and load it on every worker ahead of its
+        requests; ValueError naming the problem (the engine keeps running)."""
+        registry = self._lora_registry()
+        registry.check(lora_request)
+        self.executor.add_lora(lora_request)
+        registry.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (its requests already running finish with it; the workers load it
+        again from its path should they need it)."""
+        registry = self._lora_registry()
+        found = registry.remove(lora_id)
+        return self.executor.remove_lora(lora_id) or found
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters added with add_lora."""
+        return set(self._lora_registry().registered)
+
     # --- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return (any(s.has_unfinished() for s in self.schedulers) or bool(self._pending_outputs)
@@ -295,7 +337,22 @@ class LLMEngine:
             num_preemptions=sum(x.num_preemptions for x in self.schedulers),
             kv_cache_usage=sum(b.usage() for b in bms) / len(bms),
             spec_decode=(self.stepper.metrics.as_dict() if self.speculative is not None
-                         else None))
+                         else None),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """Adapter names of running and waiting requests (vLLM's lora_requests_info)."""
+        if self.lora is None:
+            return {}
+
+        def names(groups: Any) -> list[str]:
+            return sorted({g.lora_request.lora_name for g in groups
+                           if g.lora_request is not None})
+
+        return dict(running_lora_adapters=names(g for s in self.schedulers for g in s.running),
+                    waiting_lora_adapters=names(g for s in self.schedulers
+                                                for g in (*s.waiting, *s.swapped)),
+                    max_lora=self.config.lora_config.max_loras)
 
     def shutdown(self) -> None:
         """Stop the workers and release the model and KV cache (device memory too);

@@ -40,6 +40,17 @@ class Executor(ABC):
         submission order. This default runs the step to completion."""
         return PendingOutputs(self.execute(batch))
 
+    # --- LoRA adapters (enable_lora=True): every worker loads its shard -----------------
+    def add_lora(self, request: object) -> bool:
+        """Load an adapter (pagedllm.lora.request.LoRARequest) into every worker's host cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not run LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not run LoRA adapters")
+
+    def list_loras(self) -> set[int]:
+        raise NotImplementedError(f"{type(self).__name__} does not run LoRA adapters")
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -77,6 +88,15 @@ class MultiWorkerExecutor(Executor):
 
     def execute(self, batch: ScheduledBatch) -> list[SeqOutput]:
         return self._call("execute_step", self._pack(batch))[self.output_rank] or []
+
+    def add_lora(self, request: object) -> bool:
+        return any(self._call("add_lora", request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any(self._call("remove_lora", lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set(self._call("list_loras")[0])
 
     def stage_timelines(self) -> list[list[tuple[float, float]]]:
         """Each rank's pipeline steps since the last call, (start, end) on the host's monotonic

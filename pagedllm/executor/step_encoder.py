@@ -25,7 +25,7 @@ from pagedllm.core.batch import NewSeq, ScheduledBatch, ScheduledSeq, SeqChunk, 
 # fields a SeqChunk or NewSeq carries by name; any other ScheduledSeq field travels in
 # SeqChunk.extra when it is away from its default
 _NAMED = {"seq_id", "token_ids", "start_pos", "block_table", "sampling_params", "num_samples",
-          "seq_index", "prompt_len", "history", "prompt_logprob_targets"}
+          "seq_index", "prompt_len", "history", "prompt_logprob_targets", "lora_request"}
 EXTRA_FIELDS: tuple[tuple[str, object], ...] = tuple(
     (f.name, f.default) for f in dataclasses.fields(ScheduledSeq) if f.name not in _NAMED)
 
@@ -70,7 +70,8 @@ class StepEncoder:
             if known is None:
                 step.new_seqs.append(NewSeq(
                     s.seq_id, s.sampling_params, s.prompt_len, s.seq_index, list(s.block_table),
-                    s.history[:s.start_pos] if s.history is not None else None))
+                    s.history[:s.start_pos] if s.history is not None else None,
+                    s.lora_request))
                 seqs[s.seq_id] = _Sent(s.block_table, list(s.block_table), s.seq_len)
             else:
                 table, sent, start, tokens = s.block_table, known.sent, s.start_pos, s.token_ids

@@ -34,5 +34,14 @@ class UniProcExecutor(Executor):
     def execute_async(self, batch: ScheduledBatch) -> PendingOutputs:
         return self.worker.execute_step_async(self.encoder.encode(batch))
 
+    def add_lora(self, request: object) -> bool:
+        return self.worker.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.worker.list_loras())
+
     def shutdown(self) -> None:
         self.worker.release()

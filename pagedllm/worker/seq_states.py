@@ -6,6 +6,7 @@ parallel rank, each pipeline stage). No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.core.batch import ScheduledBatch, ScheduledSeq, StepDelta
 from pagedllm.sampling_params import SamplingParams
@@ -21,6 +22,7 @@ class SeqState:
     # a position scheduled ahead (PENDING_TOKEN) stays so: such sequences never need it
     tokens: list[int] | None
     end: int = 0  # position after the last scheduled chunk
+    lora_request: Any = None  # the sequence's adapter (NewSeq.lora_request)
 
 
 class SeqStates:
@@ -36,7 +38,8 @@ class SeqStates:
         for new in step.new_seqs:
             seqs[new.seq_id] = SeqState(
                 new.sampling_params, new.prompt_len, new.seq_index, list(new.block_table),
-                list(new.token_ids) if new.token_ids is not None else None)
+                list(new.token_ids) if new.token_ids is not None else None,
+                lora_request=new.lora_request)
         for seq_id, (i, blocks) in step.block_updates.items():
             seqs[seq_id].block_table[i:] = blocks
         for seq_id, k in step.slid.items():
@@ -58,7 +61,8 @@ class SeqStates:
                 tokens.extend(token_ids)
             batch.append(ScheduledSeq(
                 seq_id, token_ids, start, state.block_table, state.sampling_params, num_samples,
-                state.seq_index, state.prompt_len, tokens, targets, **(extra or {})))
+                state.seq_index, state.prompt_len, tokens, targets,
+                lora_request=state.lora_request, **(extra or {})))
         return ScheduledBatch(batch, step.blocks_to_swap_out, step.blocks_to_swap_in,
                               step.blocks_to_copy, step.finished_seq_ids, step.token_bitmask,
                               step.virtual_engine)

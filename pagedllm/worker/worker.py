@@ -70,6 +70,8 @@ class Worker:
         # every live sequence's parameters, block table and (where sampling reads it) tokens:
         # the executor sends each step as the change to this (execute_step)
         self.seq_states = SeqStates()
+        # LoRA adapters' host cache and device slots (pagedllm/lora), with enable_lora=True
+        self.lora_manager = None
 
     # --- hooks a backend may override ----------------------------------------------------
     def select_device(self) -> torch.device:
@@ -128,6 +130,25 @@ class Worker:
         self.runner = ModelRunner(self.model, self.config.cache.block_size, self.device,
                                   self.config.model.seed, ops.greedy_logprobs,
                                   ops.apply_token_bitmask)
+        if getattr(self.config, "lora_config", None) is not None:
+            from pagedllm.lora.worker_manager import LoRAWorkerManager
+
+            self.lora_manager = LoRAWorkerManager(
+                self.model, self.config, self.tp, self.pp, self.device, self.dtype,
+                graph_safe=self.backend.capabilities.graphs and not self.config.enforce_eager)
+
+    # --- LoRA adapters (the executor's add_lora / remove_lora / list_loras) -------------------
+    def add_lora(self, request: object) -> bool:
+        """Load an adapter into the host cache ahead of its requests."""
+        assert self.lora_manager is not None, "enable_lora=False"
+        return self.lora_manager.add_lora(request)  # type: ignore[arg-type]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        assert self.lora_manager is not None, "enable_lora=False"
+        return self.lora_manager.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora_manager.list_loras() if self.lora_manager is not None else []
 
     def profile_run(self, max_tokens: int | None = None) -> None:
         """One forward + sample at the largest batch the scheduler may send (for memory sizing),
@@ -217,6 +238,8 @@ class Worker:
         self._move_blocks(batch)
         if not batch.seqs:
             return []
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(batch)
         if self.pp.size > 1:
             assert self.runner is not None
             outputs = self.runner.execute_stage(batch, self.ve_kv_caches[batch.virtual_engine],
@@ -236,6 +259,8 @@ class Worker:
         self._move_blocks(batch)
         if not batch.seqs:
             return PendingOutputs([])
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(batch)
         pending = self.launch_model(batch)
         self.counters["launches"] += 1
         if not pending.done():  # the device was still running the step when launch returned

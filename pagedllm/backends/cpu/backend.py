@@ -33,7 +33,8 @@ class CpuBackend(Backend):
                                 attention_features=("sliding_window", "logits_soft_cap"),
                                 dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True,
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
-                                kv_cache_dtypes=("auto", "fp8"))
+                                kv_cache_dtypes=("auto", "fp8"),
+                                lora=True)  # LoRA: one GEMM per adapter in use (lora_ops.py)
     worker_class = "pagedllm.backends.cpu.worker:CpuWorker"
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
@@ -94,6 +95,11 @@ class CpuBackend(Backend):
             sched.max_num_batched_tokens = max(CPU_MAX_NUM_BATCHED_TOKENS, sched.max_num_seqs)
         # attention_backend="torch" asks for the torch reference throughout, layer ops included
         self.native_ops = config.attention_backend != "torch"
+        lora = getattr(config, "lora_config", None)
+        if lora is not None and lora.lora_dtype == "auto" and config.model.dtype != "float32":
+            # half-precision GEMMs are slow where oneDNN has no native ones (ops.py): LoRA's
+            # small products run in float32 (slots widened once, activations per op)
+            lora.lora_dtype = "float32"
 
     def register_ops(self, ops: Ops) -> None:
         """oneDNN linears with pre-packed weights (ops.py); rms_norm, rotary and silu_and_mul on
@@ -110,6 +116,10 @@ class CpuBackend(Backend):
         # one sort by expert, each expert's GEMMs on weights packed after loading
         ops.register("fused_moe_prepare", fused_moe.fused_moe_prepare)
         ops.register("fused_moe", fused_moe.fused_moe)
+        from pagedllm.backends.cpu import lora_ops
+
+        ops.register("lora_shrink", lora_ops.lora_shrink)  # one GEMM per adapter in use
+        ops.register("lora_expand", lora_ops.lora_expand)
         from pagedllm.backends.cpu import bitmask
 
         if bitmask.available():  # guided decoding's mask on xgrammar's C++ kernel

@@ -35,7 +35,9 @@ class CudaBackend(Backend):
                                 # FP8 on torch._scaled_mm, the rest the reference (quant_ops.py)
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
                                 # fp8 (e4m3) K/V: the torch attention reads them (eager)
-                                kv_cache_dtypes=("auto", "fp8"))
+                                kv_cache_dtypes=("auto", "fp8"),
+                                # LoRA's shrink/expand on Triton (triton_lora.py; graph-safe)
+                                lora=True)
     worker_class = "pagedllm.backends.cuda.worker:CudaWorker"
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
@@ -116,6 +118,10 @@ class CudaBackend(Backend):
             from pagedllm.backends.cuda.triton_moe import fused_moe
 
             ops.register("fused_moe", fused_moe)  # grouped by expert
+            from pagedllm.backends.cuda import triton_lora
+
+            ops.register("lora_shrink", triton_lora.lora_shrink)  # one launch for every adapter
+            ops.register("lora_expand", triton_lora.lora_expand)
         if not self.layer_kernels:
             return
         from pagedllm.backends.cuda import ops as kernel_ops

@@ -39,6 +39,10 @@ class LinearBase(nn.Module):
     """
 
     splits_input = False  # row-parallel: the input dim is sharded
+    # the LoRA adapters' slots of this linear (pagedllm/lora/layers.py LoRALayer) with
+    # enable_lora=True: each token's adapter delta is added to the output (row-parallel: to
+    # this rank's partial sum, before the all-reduce)
+    lora: Any = None
 
     def __init__(self, in_local: int, out_local: int, bias: bool, ctx: LayerContext) -> None:
         super().__init__()
@@ -60,9 +64,9 @@ class LinearBase(nn.Module):
         return self._matmul(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.ctx.ops.quant_linear(x, self)
-        return self.ctx.ops.linear(x, self)
+        y = (self.ctx.ops.quant_linear(x, self) if self.quant is not None
+             else self.ctx.ops.linear(x, self))
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def _copy(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if param.shape != loaded.shape:
