@@ -76,7 +76,10 @@ setup(
                  "xgrammar>=0.2.9", "jsonschema",
                  # quantization tests write compressed-tensors checkpoints with the library
                  # llm-compressor saves through (pulls loguru, psutil; no torch of its own here)
-                 "compressed-tensors>=0.20"],
+                 "compressed-tensors>=0.20",
+                 # LoRA tests make their adapters with peft itself and compare with transformers
+                 # + PEFT (pulls accelerate; no torch of its own when torch is installed)
+                 "peft>=0.14"],
         "ray": ["ray"],
     },
     entry_points={
