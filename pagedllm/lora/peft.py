@@ -150,10 +150,16 @@ def read_adapter(path: str, max_lora_rank: int, load: bool = True) -> PEFTAdapte
     file = _weights_file(path)
     tensors = _read_tensors(file, load)
     pairs: dict[str, dict[str, tuple[tuple[int, ...], torch.Tensor | None]]] = {}
+    embedding = next((k for k in tensors if "lora_embedding_" in k), None)
+    if embedding is not None:
+        raise LoRAAdapterError(f"{file}: {embedding}: adapters on embeddings are not supported "
+                               "(target_modules must name linear layers)")
     for key, value in tensors.items():
-        if "lora_embedding_" in key:
-            raise LoRAAdapterError(f"{file}: {key}: adapters on embeddings are not supported "
-                                   "(target_modules must name linear layers)")
+        if ".base_layer." in key:  # PEFT saves the base weights of embedding / LM-head targets
+            raise LoRAAdapterError(f"{file}: {key}: the adapter carries the base model's weights "
+                                   "of an embedding or LM-head target; LoRA on embeddings or the "
+                                   "LM head is not supported (target_modules must name the "
+                                   "attention and MLP linears)")
         m = _KEY.match(key)
         if m is None:
             raise LoRAAdapterError(f"{file}: tensor {key!r} is not a LoRA A/B weight "

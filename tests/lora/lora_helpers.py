@@ -10,6 +10,7 @@ import torch
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_TOKENS = 12
+GREEDY_TOKENS = MAX_TOKENS
 
 
 def make_adapter(base: str, out: str, targets: tuple[str, ...] | list[str] = DENSE_TARGETS,
