@@ -120,7 +120,7 @@ class LoRARouter:
         for path, module, shard, piece in records:
             if not isinstance(module, LinearBase):
                 raise LoRAAdapterError(
-                    f"target module {lora.name!r} is a {type(module).__name__} here, not a linear "
+                    f"target module {lora.name!r} is {type(module).__name__} here, not a linear "
                     f"layer; LoRA runs on the attention and MLP linears (MoE experts excluded)")
             pieces.extend(self._shard(lora, path, module, shard, piece, a, fan_in_fan_out))
         return pieces
