@@ -172,7 +172,7 @@ class MPEngineClient(AsyncEngineBase):
         # not daemonic: a daemonic process may not start TP/PP workers (lifecycle.py says what
         # ends it instead)
         self._proc = ctx.Process(target=engine_process_main,
-                                 args=(base_engine_args(engine_args), child),
+                                 args=(engine_main, base_engine_args(engine_args), child),
                                  name="pagedllm-engine", daemon=False)
         self._proc.start()
         stop_at_exit(self._proc)

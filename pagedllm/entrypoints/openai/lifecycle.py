@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -48,11 +49,11 @@ def watch_parent(grace_s: float = PARENT_GONE_GRACE_S) -> None:
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
 
 
-def engine_process_main(engine_args: Any, conn: Connection) -> NoReturn:
-    """The engine process's target: ``engine_main`` under the parent watch, then a quick exit
+def engine_process_main(engine_main: Callable[[Any, Connection], None], engine_args: Any,
+                        conn: Connection) -> NoReturn:
+    """The engine process's target: ``engine_main`` (engine_client.py's loop, passed in so this
+    module imports nothing of the server) under the parent watch, then a quick exit
     (``engine_main`` has shut the engine and its workers down when it returns)."""
-    from pagedllm.entrypoints.openai.engine_client import engine_main
-
     watch_parent()
     engine_main(engine_args, conn)
     exit_now(0)
