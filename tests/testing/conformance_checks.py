@@ -68,8 +68,10 @@ def kernel_checks(b: Backend) -> list[Check]:
 
 @contextlib.contextmanager
 def registered(backend_cls: type[Backend]) -> Iterator[None]:
-    """``backend_cls`` known to the registry under its name (the engine resolves it by name)."""
-    from pagedllm.backends import registry
+    """``backend_cls`` known to the registry under its name (the engine resolves it by name
+    through ``pagedllm.contract.registry``; the old path re-exports it)."""
+    from pagedllm.backends import registry as old_path
+    from pagedllm.contract import registry
 
     original = registry.discover
 
@@ -78,11 +80,11 @@ def registered(backend_cls: type[Backend]) -> Iterator[None]:
         infos[backend_cls.name] = BackendInfo(backend_cls.name, "mutation-harness", backend_cls)
         return infos
 
-    registry.discover = discover
+    registry.discover = old_path.discover = discover
     try:
         yield
     finally:
-        registry.discover = original
+        registry.discover = old_path.discover = original
 
 
 def claim_checks(b: Backend, checkpoint: str, reference: tuple[list, list]) -> list[Check]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conformance_refops import RefOps
 from conformance_refplugin import RefAttention, RefBackend, RefCacheOps
 from pagedllm.backends.attention import AttentionMetadata
 
@@ -28,14 +29,20 @@ class Mutant:
     cache_ops: dict[str, Callable] = field(default_factory=dict)  # RefCacheOps overrides
     caps: dict[str, object] = field(default_factory=dict)  # Capabilities overrides
     first: tuple[str, ...] = ()  # check-name prefixes to run first
+    ops: dict[str, object] = field(default_factory=dict)  # RefOps overrides (static/classmethods)
+    backend_methods: dict[str, Callable] = field(default_factory=dict)  # RefBackend overrides
+    engine: bool = False  # an engine-level bug: the engine checks run too (they are slow)
+    blind_spot: str = ""  # the issue-41 class it belongs to (conformance_mutants_v3.py)
 
     def backend(self) -> RefBackend:
         attn = type(f"Attn_{self.name}", (RefAttention,),
                     {"supported_features": RefAttention.supported_features, **self.attention})
         ops = type(f"Ops_{self.name}", (RefCacheOps,), dict(self.cache_ops))
+        ref_ops = type(f"RefOps_{self.name}", (RefOps,), dict(self.ops))
         caps = dataclasses.replace(RefBackend.capabilities, **self.caps)
         cls = type(f"Backend_{self.name}", (RefBackend,),
-                   {"attention": attn, "ops": ops, "capabilities": caps})
+                   {"attention": attn, "ops": ops, "ref_ops": ref_ops, "capabilities": caps,
+                    **self.backend_methods})
         return cls()
 
 
@@ -66,9 +73,9 @@ def _gather_bs64_bug(self: RefAttention, kv_cache: torch.Tensor, table: torch.Te
     return k, v
 
 
-def _store_through_fp16(self: RefAttention, values: torch.Tensor,
-                        cache: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.float16).to(cache.dtype)
+def _store_through_fp16(self: RefAttention, values: torch.Tensor, cache: torch.Tensor,
+                        scale: float = 1.0) -> torch.Tensor:
+    return RefAttention.store(self, values.to(torch.float16), cache, scale)
 
 
 def _scale_ignored(self: RefAttention) -> float:

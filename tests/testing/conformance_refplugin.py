@@ -1,9 +1,10 @@
 """A small, deliberately plain reference plugin for the mutation harness.
 
-Written from the contract alone (as a vendor would): its own cache write, a per-sequence gather
-of K/V through the block table, and attention with GQA, scale, sliding window and soft cap in
-float32. Every step is a small method so that a mutant (conformance_mutants.py) can replace
-exactly one of them with a realistic bug.
+Written from the contract alone (as a vendor would): its own cache write (fp8 with per-tensor
+K/V scales too), a per-sequence gather of K/V through the block table, attention with GQA, scale,
+sliding window and soft cap in float32, and its own model ops (conformance_refops.py). Every step
+is a small method so that a mutant (conformance_mutants.py) can replace exactly one of them with
+a realistic bug.
 """
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conformance_refops import REF_OPS, RefOps
 from pagedllm.backends.attention import AttentionImpl, AttentionMetadata
 from pagedllm.backends.interface import Backend, CacheOps, Capabilities
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+    from pagedllm.models.layers.ops import Ops
+
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+
+
+def raw(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (CPU indexing has no float8 kernels); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
 
 
 class RefAttention(AttentionImpl):
@@ -23,6 +33,10 @@ class RefAttention(AttentionImpl):
 
     name = "ref"
     supported_features = ("sliding_window", "logits_soft_cap")
+    # kv_cache_dtype="fp8": per-tensor scales (a checkpoint's k_scale / v_scale, set after
+    # construction); the cache holds saturate(x / scale) in e4m3 and reads back stored * scale
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -30,9 +44,22 @@ class RefAttention(AttentionImpl):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     # --- cache write -------------------------------------------------------------------------
-    def store(self, values: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    def kv_scales(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
+
+    def store(self, values: torch.Tensor, cache: torch.Tensor, scale: float = 1.0
+              ) -> torch.Tensor:
         """``values`` [n, kvH, D] as the cache stores them."""
+        if cache.dtype == FP8:
+            return self.to_fp8(values.float() / scale)
         return values.to(cache.dtype)
+
+    def to_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+    def load(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cache values [n, kvH, D] as float32 (an fp8 cache's times its scale)."""
+        return stored.float() * scale if stored.dtype == FP8 else stored.float()
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -41,8 +68,10 @@ class RefAttention(AttentionImpl):
         slots, key, value = slots[real], key[real], value[real]
         bs = kv_cache.shape[2]
         blocks, offsets = self.slot_position(slots, bs)
-        kv_cache[0][blocks, offsets] = self.store(key, kv_cache)
-        kv_cache[1][blocks, offsets] = self.store(value, kv_cache)
+        k_scale, v_scale = self.kv_scales()
+        cache = raw(kv_cache)
+        cache[0][blocks, offsets] = raw(self.store(key, kv_cache, k_scale))
+        cache[1][blocks, offsets] = raw(self.store(value, kv_cache, v_scale))
 
     def slot_position(self, slots: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         return slots // bs, slots % bs
@@ -54,9 +83,11 @@ class RefAttention(AttentionImpl):
         bs = kv_cache.shape[2]
         nb = -(-length // bs)
         blocks = self.table_blocks(table, nb)
-        k = kv_cache[0][blocks].reshape(nb * bs, *kv_cache.shape[3:])[:length]
-        v = kv_cache[1][blocks].reshape(nb * bs, *kv_cache.shape[3:])[:length]
-        return k, v
+        cache = raw(kv_cache)
+        k = cache[0][blocks].reshape(nb * bs, *kv_cache.shape[3:])[:length].view(kv_cache.dtype)
+        v = cache[1][blocks].reshape(nb * bs, *kv_cache.shape[3:])[:length].view(kv_cache.dtype)
+        k_scale, v_scale = self.kv_scales()
+        return self.load(k, k_scale), self.load(v, v_scale)
 
     def table_blocks(self, table: torch.Tensor, nb: int) -> torch.Tensor:
         return table[:nb].long()
@@ -95,11 +126,15 @@ class RefAttention(AttentionImpl):
                    q_pos: torch.Tensor) -> torch.Tensor:
         """q [n, H, D] at positions q_pos; k/v [L, kvH, D]. Returns [n, H, D] in q's dtype."""
         heads = self.kv_head_of().to(k.device)
-        kf, vf = k.float()[:, heads], v.float()[:, heads]  # [L, H, D]
-        s = self.score(q.float(), kf)
         mask = self.visible(q_pos, torch.arange(k.shape[0], device=q.device))
-        p = self.softmax(s.masked_fill(~mask[None], float("-inf")))
-        return self.combine(p, vf).to(q.dtype)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for j in heads.unique().tolist():  # the query heads reading KV head j, together
+            idx = (heads == j).nonzero().flatten()
+            kj = k[:, j:j + 1].float().expand(-1, len(idx), -1)  # [L, g, D]
+            s = self.score(q[:, idx].float(), kj)
+            p = self.softmax(s.masked_fill(~mask[None], float("-inf")))
+            out[:, idx] = self.combine(p, v[:, j:j + 1].float().expand(-1, len(idx), -1))
+        return out.to(q.dtype)
 
     # --- the contract's two entry points -------------------------------------------------------
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -132,18 +167,23 @@ class RefAttention(AttentionImpl):
 
 
 class RefCacheOps(CacheOps):
-    """Block copy and swap written out per block (what a port without gather kernels does)."""
+    """Block copy and swap written out per block (what a port without gather kernels does), as
+    bytes (an fp8 cache has no copy kernels of its own on the CPU)."""
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
         for src, dst in pairs.tolist():
-            for cache in kv_caches:
-                cache[:, dst] = cache[:, src]
+            for cache in map(raw, kv_caches):
+                self.move(cache, dst, cache, src)
 
     def swap_blocks(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
                     pairs: torch.Tensor) -> None:
         for s, d in pairs.tolist():
-            for src, dst in zip(src_caches, dst_caches):
-                dst[:, d] = src[:, s].to(dst.device)
+            for src, dst in zip(map(raw, src_caches), map(raw, dst_caches)):
+                self.move(dst, d, src, s)
+
+    def move(self, dst: torch.Tensor, d: int, src: torch.Tensor, s: int) -> None:
+        """Block ``s`` of ``src`` to block ``d`` of ``dst`` (dim 1; any devices)."""
+        dst[:, d] = src[:, s].to(dst.device)
 
 
 class RefBackend(Backend):
@@ -154,13 +194,20 @@ class RefBackend(Backend):
                                 dtypes=("float32", "bfloat16"),
                                 preferred_block_size=16, block_sizes=(8, 16, 32, 64, 128),
                                 head_sizes=(64, 80, 96, 112, 128, 256), max_gqa_group=8,
-                                attention_features=("sliding_window", "logits_soft_cap"))
+                                attention_features=("sliding_window", "logits_soft_cap"),
+                                kv_cache_dtypes=("auto", "fp8"))
     attention: type[AttentionImpl] = RefAttention
     ops: type[CacheOps] = RefCacheOps
+    ref_ops: type = RefOps
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return True, "reference plugin on the host CPU"
+
+    def register_ops(self, ops: Ops) -> None:
+        """Its own model ops (conformance_refops.py), registered like a vendor's."""
+        for name in REF_OPS:
+            ops.register(name, getattr(self.ref_ops, name))
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
         return self.attention
