@@ -480,6 +480,12 @@ def conformance_device(conformance_backend: Backend) -> torch.device:
     return torch.device(conformance_backend.torch_device)
 
 
+@pytest.fixture(scope="session")
+def conformance_sweep_mode(pytestconfig: pytest.Config) -> str:
+    """The run's sweep: "pairs", "values" (sampled runs of slow backends) or "full"."""
+    return pytestconfig.stash[_SWEEP].sweep
+
+
 @pytest.fixture
 def conformance_rng() -> torch.Generator:
     """A CPU generator with a fixed seed: fresh random inputs, reproducible failures."""

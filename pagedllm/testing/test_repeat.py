@@ -117,11 +117,14 @@ def test_ops_twice_are_bitwise_equal(conformance_backend: Backend, conformance_d
 
 def test_cache_ops_and_steps_keep_memory_flat(conformance_backend: Backend,
                                               conformance_caps: Capabilities,
-                                              conformance_device: torch.device) -> None:
+                                              conformance_device: torch.device,
+                                              conformance_sweep_mode: str) -> None:
     """``ROUNDS`` rounds of (write_kv + attention step, copy_blocks, swap out and in where
     declared) after a warm-up, twice: the second batch of rounds may not hold more memory than
-    the first did."""
+    the first did. A sampled run (the ``values`` sweep, for slow backends) takes a fifth of the
+    rounds: live tensors are still counted exactly, host RSS only sees larger leaks."""
     caps, dev, b = conformance_caps, conformance_device, conformance_backend
+    rounds = ROUNDS if conformance_sweep_mode != "values" else ROUNDS // 5
     dtype = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     bs = caps.preferred_block_size
     impl = make_attention(b, dtype=dtype, block_size=bs, num_heads=8, num_kv_heads=4,
@@ -151,16 +154,16 @@ def test_cache_ops_and_steps_keep_memory_flat(conformance_backend: Backend,
         b.synchronize()
 
     with torch.inference_mode():
-        for _ in range(5):
+        for _ in range(3):
             round_()
         first = Snapshot.take(dev)
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             round_()
         middle = Snapshot.take(dev)
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             round_()
         last = Snapshot.take(dev)
-    assert_flat(first, middle, f"{ROUNDS} rounds after the warm-up", rss_slack=64 << 20)
-    growth = assert_flat(middle, last, f"{ROUNDS} more rounds")
-    note(rounds=2 * ROUNDS, tokens_per_step=batch.query.shape[0], swap=caps.swap,
+    assert_flat(first, middle, f"{rounds} rounds after the warm-up", rss_slack=64 << 20)
+    growth = assert_flat(middle, last, f"{rounds} more rounds")
+    note(rounds=2 * rounds, tokens_per_step=batch.query.shape[0], swap=caps.swap,
          rss_growth_mib=round(growth["rss_bytes"] / (1 << 20), 1))

@@ -44,7 +44,7 @@ def sweep_checks(b: Backend) -> list[Check]:
                 (f"deterministic[ops-{dt}]", lambda dt=dt:
                  test_repeat.test_ops_twice_are_bitwise_equal(b, dt, dev))]
     out.append(("memory[kernels]", lambda: test_repeat.test_cache_ops_and_steps_keep_memory_flat(
-        b, caps, dev)))
+        b, caps, dev, PAIRS)))
     return out
 
 
