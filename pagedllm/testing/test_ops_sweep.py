@@ -22,7 +22,8 @@ from pagedllm.testing.harness import tolerance, torch_dtype
 from pagedllm.testing.space import Space
 
 AREA = "model ops (sweep)"
-CAPABILITY_OF = {f"test_{op}_sweep": f"op {op}" for op in (
+# one matrix row for all of them; the report's shape coverage lists each op's cases
+CAPABILITY_OF = {f"test_{op}_sweep": "model ops (sweep)" for op in (
     "rms_norm", "gemma_rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "linear",
     "greedy_logprobs", "apply_token_bitmask", "fused_moe")}
 ROWS = (1, 37, 263)
