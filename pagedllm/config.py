@@ -206,6 +206,10 @@ class EngineConfig:
     speculative_config: Any = None
     # LoRA adapters (pagedllm.lora.config.LoRAConfig), None: off (enable_lora=False)
     lora_config: Any = None
+    # KV offload tiers (pagedllm.kv_offload.config.KVOffloadConfig) and a KV connector
+    # (pagedllm.kv_transfer.config.KVTransferConfig); None: off
+    kv_offload_config: Any = None
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding_backend not in ("xgrammar", "auto"):

@@ -36,21 +36,31 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("pagedllm.version", "pagedllm.logger", "pagedllm.envs", "pagedllm.config",
                     "pagedllm.sampling_params", "pagedllm.outputs", "pagedllm.spec_decode.config",
-                    "pagedllm.lora", "pagedllm.lora.config", "pagedllm.lora.request")),
+                    "pagedllm.lora", "pagedllm.lora.config", "pagedllm.lora.request",
+                    "pagedllm.kv_offload", "pagedllm.kv_offload.config",
+                    "pagedllm.kv_transfer", "pagedllm.kv_transfer.config")),
     # the plugin contract, and the old import paths plugins use (re-export modules)
     ("contract", ("pagedllm.contract.*", "pagedllm.backends", "pagedllm.backends.interface",
                   "pagedllm.backends.attention", "pagedllm.backends.registry")),
     # torch reference implementations of the ops and of paged attention
     ("reference", ("pagedllm.reference.*",)),
     # device-free bookkeeping; the process-group handles models shard over
-    ("core", ("pagedllm.core.*", "pagedllm.distributed.parallel_state")),
+    ("core", ("pagedllm.core.*", "pagedllm.distributed.parallel_state",
+              # KV connectors' and offload tiers' scheduler side: content keys, no torch
+              "pagedllm.kv_transfer.keys", "pagedllm.kv_transfer.base",
+              "pagedllm.kv_transfer.scheduler_side", "pagedllm.kv_offload.tiers",
+              "pagedllm.kv_offload.manager")),
     ("models", ("pagedllm.models.*",)),
     # the device side of a step; speculative decoding's proposers and LoRA's adapters run beside it
-    ("worker", ("pagedllm.worker.*", "pagedllm.spec_decode.*", "pagedllm.lora.*")),
+    ("worker", ("pagedllm.worker.*", "pagedllm.spec_decode.*", "pagedllm.lora.*",
+                # the data movement of KV connectors and offload tiers
+                "pagedllm.kv_transfer.*", "pagedllm.kv_offload.*")),
     # the built-in backends: implementations of the contract, composing worker and models
     ("backends", ("pagedllm.backends.*",)),
     ("executor", ("pagedllm.executor.*", "pagedllm.distributed.*")),
-    ("engine", ("pagedllm.engine.*", "pagedllm.lora.registry")),
+    ("engine", ("pagedllm.engine.*", "pagedllm.lora.registry",
+                # connectors by name (entry points) and the engine's hooks
+                "pagedllm.kv_transfer.registry", "pagedllm.kv_transfer.engine")),
     ("api", ("pagedllm", "pagedllm.entrypoints.*", "pagedllm.testing.*")),
 ]
 # compiled extension modules (no .py source): an import of one is an import of nothing here

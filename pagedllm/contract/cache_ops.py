@@ -1,9 +1,14 @@
 """Block copy (copy-on-write) and swap between device and host caches: the contract's
 ``CacheOps``, whose methods are a reference implementation for any cache layout with blocks on
-dim 1. A backend with kernels overrides them."""
+dim 1. A backend with kernels overrides them.
+
+Plugin API 2.2 adds block export/import between the device cache and host staging buffers (KV
+offload tiers, KV transfer between engines): ``export_blocks`` / ``import_blocks``, declared by
+``Capabilities.kv_export``; the torch reference is ``pagedllm.reference.kv_transfer``."""
 from __future__ import annotations
 
 import torch
+
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """An fp8 cache (kv_cache_dtype="fp8") as its bytes: block copies move bits, and
@@ -11,6 +16,24 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return cache.view(torch.uint8)
     return cache
+
+
+class CacheTransfer:
+    """A block export or import in flight (plugin API 2.2). This one is already complete: what
+    a synchronous implementation returns; an asynchronous one returns a subclass."""
+
+    def done(self) -> bool:
+        """Whether the transfer has finished (never blocks)."""
+        return True
+
+    def wait(self) -> None:
+        """Block the host until the transfer has finished: an export's staging bytes are then
+        readable, an import's staging buffer reusable and its blocks written."""
+
+    def fence(self) -> None:
+        """Make device work queued after this call wait for the transfer (an import's blocks
+        are then visible to the next step) without blocking the host; the default waits."""
+        self.wait()
 
 
 class CacheOps:
@@ -40,3 +63,29 @@ class CacheOps:
             src_idx = pairs[:, 0].to(src.device)
             dst_idx = pairs[:, 1].to(dst.device)
             dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
+
+    # --- block export / import (plugin API 2.2; Capabilities.kv_export) ---------------------
+    def block_nbytes(self, kv_cache: torch.Tensor) -> int:
+        """Bytes of one block of one layer's cache: ``kv_cache.select(1, b)`` as bytes (what
+        one block of one layer takes in a staging buffer)."""
+        return kv_cache.select(1, 0).numel() * kv_cache.element_size()
+
+    def export_blocks(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                      staging: torch.Tensor) -> CacheTransfer:
+        """Copy blocks ``block_ids`` ([n] int64, on the CPU) of every layer into ``staging``, a
+        host uint8 tensor [n, len(kv_caches), block_nbytes]: row i, layer l holds the bytes of
+        ``kv_caches[l].select(1, block_ids[i])`` (contiguous, in the cache's dtype: fp8 caches
+        move bits). The blocks are captured as of the call (device work queued afterwards may
+        overwrite them); the staging bytes are readable once the returned transfer is done.
+        Declared by ``Capabilities.kv_export``; reference: pagedllm.reference.kv_transfer."""
+        raise NotImplementedError(f"{type(self).__name__} does not export KV blocks "
+                                  "(Capabilities.kv_export is not declared)")
+
+    def import_blocks(self, staging: torch.Tensor, kv_caches: list[torch.Tensor],
+                      block_ids: torch.Tensor) -> CacheTransfer:
+        """The inverse of ``export_blocks``: write row i of ``staging`` into block
+        ``block_ids[i]`` of every layer, bit for bit. The blocks hold the data once the
+        returned transfer is done (``fence()`` orders later device work after it); ``staging``
+        must stay untouched until then."""
+        raise NotImplementedError(f"{type(self).__name__} does not import KV blocks "
+                                  "(Capabilities.kv_export is not declared)")

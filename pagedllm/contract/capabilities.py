@@ -48,6 +48,11 @@ class Capabilities:
     # time; False where the kernels reduce in a run-dependent order (atomics, split-K chosen at
     # run time). The conformance suite checks it where declared.
     deterministic: bool = True
+    # (plugin API 2.2) the cache ops export and import blocks between the device cache and host
+    # staging buffers, bit-exact in every declared KV-cache dtype (CacheOps.export_blocks /
+    # import_blocks); KV offload tiers and KV transfer connectors are refused without it. The
+    # conformance suite checks round trips where declared (test_kv_transfer.py).
+    kv_export: bool = False
 
     def __post_init__(self) -> None:
         if self.multi_token_decode is None:

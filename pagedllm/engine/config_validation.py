@@ -25,6 +25,7 @@ def validate_config(config: EngineConfig, backend: Backend) -> str:
     check_pipeline_parallel(config, backend, arch)
     check_speculative(config, backend)
     check_lora(config, backend)
+    check_kv_transfer(config, backend)
     return arch
 
 
@@ -61,6 +62,39 @@ def check_lora(config: EngineConfig, backend: Backend) -> None:
     if config.speculative_config is not None:
         raise ValueError("enable_lora=True with speculative_config is not supported yet; turn "
                          "one of them off")
+
+
+def check_kv_transfer(config: EngineConfig, backend: Backend) -> None:
+    """KV offload tiers and KV connectors move blocks through the backend's block export /
+    import (``Capabilities.kv_export``) and key them by the prefix cache's content keys: refused
+    on a backend without either, and (not yet combined) with pipeline or tensor parallelism
+    or speculative decoding."""
+    offload = getattr(config, "kv_offload_config", None)
+    transfer = getattr(config, "kv_transfer_config", None)
+    if offload is None and transfer is None:
+        return
+    field = ("kv_offload_size/kv_offload_disk" if offload is not None
+             else "kv_transfer_config")
+    caps = backend.capabilities
+    if not getattr(caps, "kv_export", False):
+        from pagedllm.contract.registry import discover
+
+        able = [i.name for i in discover().values() if getattr(i, "cls", None) is not None
+                and getattr(i.cls.capabilities, "kv_export", False)]
+        raise ValueError(f"{field}: the {backend.name} backend does not export or import KV "
+                         f"blocks (Capabilities.kv_export), which KV offload and KV transfer "
+                         f"need; backends that do: {', '.join(able) or 'none installed'}")
+    if not caps.prefix_caching:
+        raise ValueError(f"{field}: the {backend.name} backend does not declare prefix_caching, "
+                         "which KV offload and KV transfer build on")
+    parallel = config.parallel
+    for name, value in (("pipeline_parallel_size", parallel.pipeline_parallel_size),
+                        ("tensor_parallel_size", parallel.tensor_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{field} with {name}={value} is not supported yet; use {name}=1")
+    if config.speculative_config is not None:
+        raise ValueError(f"{field} with speculative_config is not supported yet; turn one of "
+                         "them off")
 
 
 # --- the model ---------------------------------------------------------------------------

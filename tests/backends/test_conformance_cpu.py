@@ -39,7 +39,7 @@ def test_suite_passes_on_cpu(tmp_path) -> None:
     assert "graphs" in rows and "static_shapes" in rows, out[-4000:]
     assert "FAILED capabilities: none" in out
     for area in ("attention", "cache write/copy/swap", "end-to-end (HF equality)", "sampling",
-                 "model ops", "contract", "declared limits"):
+                 "model ops", "contract", "declared limits", "KV block export/import"):
         assert area in out
     data = json.loads(report.read_text())
     if os.environ.get("PAGEDLLM_CI_REPORTS"):  # .ci/run's matrix leg merges it into the docs

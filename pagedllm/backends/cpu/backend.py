@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.contract.attention import AttentionImpl
 from pagedllm.contract.backend import Backend
+from pagedllm.contract.cache_ops import CacheOps
 from pagedllm.contract.capabilities import Capabilities
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ class CpuBackend(Backend):
                                 dtypes=("float32", "bfloat16", "float16"), pipeline_parallel=True,
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
                                 kv_cache_dtypes=("auto", "fp8"),
-                                lora=True)  # LoRA: one GEMM per adapter in use (lora_ops.py)
+                                lora=True,  # LoRA: one GEMM per adapter in use (lora_ops.py)
+                                kv_export=True)  # block export/import: cache_ops.py
     worker_class = "pagedllm.backends.cpu.worker:CpuWorker"
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"
@@ -42,6 +44,11 @@ class CpuBackend(Backend):
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return True, "always available"
+
+    def cache_ops(self) -> CacheOps:
+        from pagedllm.backends.cpu.cache_ops import CpuCacheOps
+
+        return CpuCacheOps()
 
     def attention_cls(self, config: EngineConfig) -> type[AttentionImpl]:
         """"native" (the default where its kernels build), "torch" (the reference) or "ipex".

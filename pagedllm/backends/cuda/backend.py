@@ -37,7 +37,9 @@ class CudaBackend(Backend):
                                 # fp8 (e4m3) K/V: the torch attention reads them (eager)
                                 kv_cache_dtypes=("auto", "fp8"),
                                 # LoRA's shrink/expand on Triton (triton_lora.py; graph-safe)
-                                lora=True)
+                                lora=True,
+                                # block export/import on a side stream (cache_ops.py)
+                                kv_export=True)
     worker_class = "pagedllm.backends.cuda.worker:CudaWorker"
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"
@@ -115,6 +117,9 @@ class CudaBackend(Backend):
         else:
             ops.register("greedy_logprobs", greedy_logprobs)
             ops.register("apply_token_bitmask", apply_token_bitmask)  # guided decoding
+            from pagedllm.backends.cuda.triton_rejection import rejection_sample
+
+            ops.register("rejection_sample", rejection_sample)  # speculative decoding
             from pagedllm.backends.cuda.triton_moe import fused_moe
 
             ops.register("fused_moe", fused_moe)  # grouped by expert

@@ -1,11 +1,13 @@
 """Block copy and swap through the csrc/ kernels (one launch for all layers); caches of other
-element types (an fp8 KV cache) take the reference byte copies of CacheOps."""
+element types (an fp8 KV cache) take the reference byte copies of CacheOps. Block export /
+import (KV offload and transfer) are torch copies on a side stream."""
 from __future__ import annotations
 
 import torch
 
 from pagedllm.backends.cuda import ops
-from pagedllm.contract.cache_ops import CacheOps
+from pagedllm.contract.cache_ops import CacheOps, CacheTransfer
+from pagedllm.reference import kv_transfer
 
 
 KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,3 +31,89 @@ class KernelCacheOps(CacheOps):
         for src, dst in zip(src_caches, dst_caches):
             ops.swap_blocks(src[0], dst[0], pairs)
             ops.swap_blocks(src[1], dst[1], pairs)
+
+    # --- block export / import (Capabilities.kv_export): torch copies on a side stream -------
+    def export_blocks(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                      staging: torch.Tensor) -> CacheTransfer:
+        """Gather the blocks into one device buffer [n, layers, bytes] and copy it to the
+        (pinned) staging buffer, on a side stream that first waits for the work queued so far;
+        the current stream then waits for the side stream, so the step that overwrites an
+        exported block runs after its copy. The host is not blocked."""
+        if not kv_caches or kv_caches[0].device.type != "cuda":
+            kv_transfer.export_blocks(kv_caches, block_ids, staging)
+            return _DONE
+        n = int(block_ids.numel())
+        kv_transfer.check_staging(staging, kv_caches, n)
+        if n == 0:
+            return _DONE
+        device = kv_caches[0].device
+        side = _side_stream(device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            ids = block_ids.to(device, non_blocking=True)
+            gathered = torch.empty(staging.shape, dtype=torch.uint8, device=device)
+            for layer, cache in enumerate(kv_caches):
+                src = kv_transfer.byte_view(cache)
+                kv_transfer.staging_rows(gathered, layer, src).copy_(src.index_select(1, ids))
+            staging.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        current.wait_stream(side)
+        return _StreamTransfer(event, (gathered, ids, staging))
+
+    def import_blocks(self, staging: torch.Tensor, kv_caches: list[torch.Tensor],
+                      block_ids: torch.Tensor) -> CacheTransfer:
+        """Copy the staging buffer to the device and scatter its rows into the blocks on a side
+        stream (after the work queued so far); ``fence()`` makes the current stream wait."""
+        if not kv_caches or kv_caches[0].device.type != "cuda":
+            kv_transfer.import_blocks(staging, kv_caches, block_ids)
+            return _DONE
+        n = int(block_ids.numel())
+        kv_transfer.check_staging(staging, kv_caches, n)
+        if n == 0:
+            return _DONE
+        device = kv_caches[0].device
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            ids = block_ids.to(device, non_blocking=True)
+            rows = staging.to(device, non_blocking=True)
+            for layer, cache in enumerate(kv_caches):
+                dst = kv_transfer.byte_view(cache)
+                dst.index_copy_(1, ids, kv_transfer.staging_rows(rows, layer, dst))
+            event = torch.cuda.Event()
+            event.record(side)
+        return _StreamTransfer(event, (rows, ids, staging))
+
+
+_DONE = CacheTransfer()
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+class _StreamTransfer(CacheTransfer):
+    """A transfer queued on the side stream; ``keep`` holds its buffers until it is done."""
+
+    def __init__(self, event: torch.cuda.Event, keep: tuple) -> None:
+        self.event = event
+        self._keep: tuple | None = keep
+
+    def done(self) -> bool:
+        finished = bool(self.event.query())
+        if finished:
+            self._keep = None
+        return finished
+
+    def wait(self) -> None:
+        self.event.synchronize()
+        self._keep = None
+
+    def fence(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
