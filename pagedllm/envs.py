@@ -128,6 +128,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "fill guided-decoding masks on a helper thread during the forward (on) or before it "
          "(off); unset: where the device runs apart from the host"),
     _var("PAGEDLLM_API_KEY", str, None, "the server's API key when --api-key is not given"),
+    _var("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", bool, False,
+         "the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; also --allow-runtime-lora-updating)"),
     # --- cuda / rocm -----------------------------------------------------------------------
     _var("PAGEDLLM_GEMV", bool, True,
          "the csrc GEMV for one-token linears on sm_90+ (off: cuBLAS / hipBLAS)"),

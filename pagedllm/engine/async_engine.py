@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -120,6 +121,9 @@ class AsyncEngineBase:
         self._stats = stats
         self._stopping = False
         self._dead: BaseException | None = None
+        # engine calls awaiting their result (add_lora, ...): failed if the engine dies
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
 
     # --- what a subclass provides --------------------------------------------------------
     @property
@@ -138,6 +142,46 @@ class AsyncEngineBase:
 
     def _send_abort(self, request_id: str) -> None:
         raise NotImplementedError
+
+    def _send_call(self, call_id: int, method: str, args: tuple) -> None:
+        """Run ``LLMEngine.<method>(*args)`` between steps; the result comes to _call_done."""
+        raise NotImplementedError
+
+    # --- calls into the engine between steps (LoRA adapters) -----------------------------
+    ENGINE_CALLS = ("add_lora", "remove_lora", "list_loras")
+
+    async def _call_engine(self, method: str, *args: Any) -> Any:
+        if method not in self.ENGINE_CALLS:
+            raise ValueError(f"{method!r} is not an engine call; allowed: "
+                             f"{', '.join(self.ENGINE_CALLS)}")
+        self._raise_if_dead()
+        if not self.is_running:
+            self.start_background_loop()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send_call(call_id, method, args)
+        return await future
+
+    def _call_done(self, call_id: int, value: Any, error: BaseException | None) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Check a LoRA adapter against the model and load it on the workers (vLLM's
+        add_lora); ValueError naming the problem, the engine keeps running."""
+        return await self._call_engine("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call_engine("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._call_engine("list_loras")
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -170,7 +214,7 @@ class AsyncEngineBase:
     # --- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | None = None, priority: int = 0,
-                          final_only: bool = False) -> AsyncStream:
+                          final_only: bool = False, lora_request: Any = None) -> AsyncStream:
         """Validate and queue a request; returns the stream of its outputs.
 
         Raises ValueError for a bad prompt or a request id in use, EngineDeadError when dead.
@@ -194,9 +238,12 @@ class AsyncEngineBase:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = AsyncStream(request_id, self._abort_nowait, final_only=final_only)
         self._streams[request_id] = stream
-        self._send_add(dict(request_id=request_id, params=params, priority=priority,
-                            prompt={"prompt": text, "prompt_token_ids": token_ids},
-                            arrival_time=time.time()))
+        request = dict(request_id=request_id, params=params, priority=priority,
+                       prompt={"prompt": text, "prompt_token_ids": token_ids},
+                       arrival_time=time.time())
+        if lora_request is not None:  # the LoRA adapter it runs with (checked by the engine)
+            request["lora_request"] = lora_request
+        self._send_add(request)
         if self.log_requests:
             logger.info("added request %s: %d prompt tokens, n=%d max_tokens=%s temperature=%s",
                         request_id, len(token_ids), params.n, params.max_tokens, params.temperature)
@@ -273,6 +320,8 @@ class AsyncEngineBase:
         err = EngineDeadError(f"the engine is dead: {exc!r}")
         err.__cause__ = exc
         self._fail_all(err)
+        for call_id in list(self._calls):
+            self._call_done(call_id, None, err)
 
     def _fail_all(self, err: BaseException) -> None:
         for stream in self._streams.values():
@@ -346,6 +395,10 @@ class AsyncLLMEngine(AsyncEngineBase):
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def _send_call(self, call_id: int, method: str, args: tuple) -> None:
+        self._ops.append(("call", (call_id, method, args)))
+        self._wakeup.set()  # type: ignore[union-attr]
+
     # --- the background loop -------------------------------------------------------------
     def start_background_loop(self) -> None:
         """Start the engine loop on the running event loop (idempotent)."""
@@ -408,6 +461,15 @@ class AsyncLLMEngine(AsyncEngineBase):
             kind, payload = self._ops.popleft()
             if kind == "abort":
                 self.engine.abort_request(payload)
+                continue
+            if kind == "call":
+                call_id, method, args = payload
+                try:
+                    value = getattr(self.engine, method)(*args)
+                except Exception as exc:  # a bad adapter fails its call alone
+                    self._call_done(call_id, None, exc)
+                else:
+                    self._call_done(call_id, value, None)
                 continue
             try:
                 self.engine.add_request(**payload)

@@ -38,6 +38,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.serving_base import ServingContext
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, OpenAIServingLoRA,
+                                                      UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.logger import configure_logging, one_line
 from pagedllm.version import __version__
@@ -50,9 +52,13 @@ def build_app(engine: AsyncEngineBase, settings: ServerSettings,
     """The ASGI app over a built engine. Its lifespan starts the engine loop and shuts it down."""
     state = state or ServerState()
 
+    lora = OpenAIServingLoRA(engine, settings.model_name, settings.enable_lora,
+                             settings.allow_runtime_lora_updating, settings.lora_modules)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start_background_loop()
+        await lora.load_static()  # --lora-modules (a bad one stops the start-up, named)
         yield
         await engine.shutdown()
 
@@ -62,6 +68,7 @@ def build_app(engine: AsyncEngineBase, settings: ServerSettings,
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
+    ctx.lora = lora
     metrics = ServerMetrics(settings.model_name)
     engine.add_step_listener(metrics.on_step)
     metrics.on_step(engine.get_stats(), [])
@@ -93,12 +100,22 @@ def build_app(engine: AsyncEngineBase, settings: ServerSettings,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in settings.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in settings.served_model_names]
+                + lora.model_cards(model_card)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         ctx.check_model(model_id)  # 404 naming the id and the served names
-        return model_card(model_id)
+        return next((c for c in lora.model_cards(model_card) if c["id"] == model_id),
+                    model_card(model_id))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        return Response(await lora.load(request), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        return Response(await lora.unload(request), media_type="text/plain")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -34,6 +34,10 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # LoRA (serving_lora.py): --enable-lora, --lora-modules, runtime load/unload allowed
+    enable_lora: bool = False
+    lora_modules: list[Any] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,6 +73,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a Jinja chat template (file path or inline) overriding the "
                              "tokenizer's (default: the tokenizer's)")
     add_structured_output_args(server)
+    add_lora_args(server)
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
                         help="run the engine in the server's process (a thread) instead of its "
                              "own process (default: False)")
@@ -95,6 +100,21 @@ def add_structured_output_args(group: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return the <think>...</think> part of the output as "
                             "reasoning_content (default: none, all of it is content)")
+
+
+def add_lora_args(group: Any) -> None:
+    """LoRA adapters served by name (vLLM's flags; the engine's are --enable-lora etc.)."""
+    from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+
+    group.add_argument("--lora-modules", nargs="+", default=None, type=parse_lora_module,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served by name: the OpenAI model field "
+                            "selects one; name=path or JSON with name, path, base_model_name; "
+                            "needs --enable-lora (default: none)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING,
+                       help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(default: $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING, else False)")
 
 
 def add_engine_args(parser: Any, cls: type[EngineArgs] = AsyncEngineArgs,
@@ -135,6 +155,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key == "":
         parser.error("--api-key is empty; give a key or leave the flag out")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (one of hermes, "
                      "llama3_json, mistral)")
@@ -159,4 +181,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        enable_lora=bool(getattr(args, "enable_lora", False)),
+        lora_modules=list(getattr(args, "lora_modules", None) or []),
+        allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating", False)))

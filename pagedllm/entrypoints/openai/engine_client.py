@@ -10,8 +10,11 @@ deltas on as they are (DELTA, FINAL_ONLY) and rebuilds cumulative outputs only f
 that asked for CUMULATIVE.
 
 Messages, engine -> client: ("ready", ModelInfo, EngineStats) | ("failed", message) |
-("step", EngineStats, [delta, ...]) | ("error", request_id, message) | ("dead", message).
-Client -> engine: ("ops", [("add", kwargs) | ("abort", request_id), ...]) | ("shutdown",).
+("step", EngineStats, [delta, ...]) | ("error", request_id, message) | ("dead", message) |
+("reply", call_id, ok, value or message).
+Client -> engine: ("ops", [("add", kwargs) | ("abort", request_id) |
+("call", (call_id, method, args)), ...]) | ("shutdown",); a call runs an allowed LLMEngine method
+between steps (AsyncEngineBase.ENGINE_CALLS: the LoRA adapters' add / remove / list).
 """
 from __future__ import annotations
 
@@ -106,6 +109,15 @@ def _apply_messages(engine: Any, conn: Connection, block: bool) -> bool:
         for kind, payload in message[1]:
             if kind == "abort":
                 engine.abort_request(payload)
+                continue
+            if kind == "call":
+                call_id, method, args = payload
+                try:
+                    if method not in AsyncEngineBase.ENGINE_CALLS:
+                        raise ValueError(f"{method!r} is not an engine call")
+                    conn.send(("reply", call_id, True, getattr(engine, method)(*args)))
+                except Exception as exc:  # noqa: BLE001 - a bad adapter fails its call alone
+                    conn.send(("reply", call_id, False, f"{exc}"))
                 continue
             try:
                 engine.add_request(**payload)
@@ -254,6 +266,9 @@ class MPEngineClient(AsyncEngineBase):
     def _send_abort(self, request_id: str) -> None:
         self._queue_op(("abort", request_id))
 
+    def _send_call(self, call_id: int, method: str, args: tuple) -> None:
+        self._queue_op(("call", (call_id, method, args)))
+
     def _queue_op(self, op: tuple[str, Any]) -> None:
         if not self._ops and self._loop is not None:
             self._loop.call_soon(self._flush_ops)  # one message for all ops of this loop pass
@@ -290,6 +305,9 @@ class MPEngineClient(AsyncEngineBase):
         elif kind == "error":
             self._requests.pop(message[1], None)
             self._fail_request(message[1], ValueError(message[2]))
+        elif kind == "reply":
+            _, call_id, ok, value = message
+            self._call_done(call_id, value if ok else None, None if ok else ValueError(value))
         elif kind == "dead":
             logger.error("the engine process failed: %s", message[1])
             self._stop_reading()

@@ -54,6 +54,9 @@ class ServerMetrics:
         self._success = Counter("pagedllm:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self._model_name = model_name
+        # vLLM's lora_requests_info: one series, its labels the adapters running and waiting,
+        # its value the time of the last update (made when the engine runs LoRA)
+        self._lora_info: Any = None
         self._spec: _SpecDecodeMetrics | None = None  # made when the engine reports them
         self._seen_preemptions = 0
         # request id -> output tokens of each choice so far
@@ -69,6 +72,17 @@ class ServerMetrics:
         if stats.num_preemptions > self._seen_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.num_preemptions
+        if getattr(stats, "max_lora", 0):
+            if self._lora_info is None:
+                self._lora_info = Gauge("pagedllm:lora_requests_info",
+                                        "Running stats on LoRA requests.",
+                                        ["running_lora_adapters", "max_lora",
+                                         "waiting_lora_adapters"], registry=self.registry)
+            self._lora_info.clear()
+            self._lora_info.labels(",".join(stats.running_lora_adapters or ()),
+                                   str(stats.max_lora),
+                                   ",".join(stats.waiting_lora_adapters or ())
+                                   ).set_to_current_time()
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             if self._spec is None:

@@ -94,15 +94,23 @@ class ServingContext:
         self.max_model_len: int = engine.model_info.max_model_len
         self.vocab_size: int = engine.model_info.vocab_size
         self.token_texts = TokenTexts(tokenizer)
+        self.lora: Any = None  # serving_lora.OpenAIServingLoRA: adapters served by name
+
+    def lora_request(self, model: str | None) -> Any:
+        """The LoRA adapter the request's ``model`` names, None for the base model."""
+        return self.lora.request_for(model) if self.lora is not None else None
 
     # --- request fields ------------------------------------------------------------------
     def check_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a name this server does not serve."""
         if requested is None or requested in self.settings.served_model_names:
             return self.settings.model_name
+        if self.lora_request(requested) is not None:  # a LoRA adapter answers as itself
+            return requested
+        served = [*self.settings.served_model_names, *(self.lora.adapters if self.lora else ())]
         raise OpenAIError(HTTPStatus.NOT_FOUND,
                           f"The model `{requested}` does not exist. This server serves "
-                          f"{', '.join(repr(n) for n in self.settings.served_model_names)}.",
+                          f"{', '.join(repr(n) for n in served)}.",
                           param="model", code="model_not_found")
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -223,7 +231,8 @@ class ServingContext:
     # --- running requests ----------------------------------------------------------------
     async def add_requests(self, request_id: str, prompts: list[Prompt],
                            params: list[SamplingParams], final_only: bool,
-                           prompt_param: str = "prompt") -> list[AsyncStream]:
+                           prompt_param: str = "prompt",
+                           lora_request: Any = None) -> list[AsyncStream]:
         """One engine request per prompt (``{request_id}-{i}`` when batched); all or none.
         Streamed requests run as RequestOutputKind.DELTA (each output holds what is new),
         the others as FINAL_ONLY."""
@@ -235,7 +244,7 @@ class ServingContext:
                     p = dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)
                 streams.append(await self.engine.add_request(
                     rid, {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, p,
-                    final_only=final_only))
+                    final_only=final_only, lora_request=lora_request))
         except ValueError as exc:
             abort_all(streams)
             raise from_value_error(exc, prompt_param) from exc

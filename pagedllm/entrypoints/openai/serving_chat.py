@@ -50,7 +50,8 @@ class OpenAIServingChat:
         params = ctx.sampling_params(req, max_tokens, n, logprobs=top_k, guided=guided)
         request_id, created = random_id("chatcmpl"), int(time.time())
         streams = await ctx.add_requests(request_id, [Prompt(text, ids)], [params],
-                                         final_only=not req.stream, prompt_param="messages")
+                                         final_only=not req.stream, prompt_param="messages",
+                                         lora_request=ctx.lora_request(req.model))
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
         reasoning = ctx.settings.reasoning_parser is not None
         events = (self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], n,

@@ -41,7 +41,8 @@ class OpenAIServingCompletion:
                                         "prompt"),
             n, req.best_of, req.logprobs, prompt_logprobs) for p in prompts]
         request_id, created = random_id("cmpl"), int(time.time())
-        streams = await ctx.add_requests(request_id, prompts, params, final_only=not req.stream)
+        streams = await ctx.add_requests(request_id, prompts, params, final_only=not req.stream,
+                                         lora_request=ctx.lora_request(req.model))
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         events = self._stream(req, head, prompts, streams, n) if req.stream else None
         return await ctx.respond(streams, raw_request, events,
