@@ -206,8 +206,9 @@ def launch(engine: str, method: str, spec: dict[str, Any], log_dir: Path,
     if engine == "vllm" and (not python or not Path(python).exists()):
         return {"engine": engine, "method": method,
                 "error": "no vLLM interpreter (set PAGEDLLM_BENCH_VLLM_PYTHON)"}
-    spec_path = log_dir / f"{engine}-{method}.spec.json"
-    result_path = log_dir / f"{engine}-{method}.result.json"
+    name = f"{engine}-{method}-b{'-'.join(map(str, spec['batches']))}"
+    spec_path = log_dir / f"{name}.spec.json"
+    result_path = log_dir / f"{name}.result.json"
     spec_path.write_text(json.dumps(dict(spec, engine=engine, method=method)))
     env = dict(os.environ)
     if engine == "vllm":
@@ -218,8 +219,8 @@ def launch(engine: str, method: str, spec: dict[str, Any], log_dir: Path,
                                                           env.get("PYTHONPATH")]))
     else:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    logger.info("running %s %s (log: %s)", engine, method, log_dir / f"{engine}-{method}.log")
-    with open(log_dir / f"{engine}-{method}.log", "w") as log:
+    logger.info("running %s %s (log: %s)", engine, method, log_dir / f"{name}.log")
+    with open(log_dir / f"{name}.log", "w") as log:
         subprocess.run([python, str(Path(__file__).resolve()), "--child", str(spec_path),
                         str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
                        cwd=REPO)
