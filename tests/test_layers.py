@@ -48,7 +48,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("pagedllm.core.*", "pagedllm.distributed.parallel_state",
               # KV connectors' and offload tiers' scheduler side: content keys, no torch
               "pagedllm.kv_transfer.keys", "pagedllm.kv_transfer.base",
-              "pagedllm.kv_transfer.scheduler_side", "pagedllm.kv_offload.tiers",
+              "pagedllm.kv_transfer.scheduler_side", "pagedllm.kv_transfer.shared_storage",
+              "pagedllm.kv_offload.tiers",
               "pagedllm.kv_offload.manager")),
     ("models", ("pagedllm.models.*",)),
     # the device side of a step; speculative decoding's proposers and LoRA's adapters run beside it

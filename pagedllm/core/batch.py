@@ -76,6 +76,9 @@ class ScheduledBatch:
     # which virtual engine (pipeline slot) scheduled this batch: its block ids index that
     # engine's own KV cache (one per engine, as in vLLM 0.7); 0 without pipeline parallelism
     virtual_engine: int = 0
+    # KV offload / connector block moves of this step (pagedllm.kv_transfer.base.KVStepOps),
+    # None when there are none: saves of evicted blocks before the step's writes, loads after
+    kv_ops: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +88,7 @@ class ScheduledBatch:
         """Nothing for the workers to do or to forget (a batch that only finishes sequences
         still goes to them: they drop their state of those)."""
         return not (self.seqs or self.blocks_to_swap_in or self.blocks_to_swap_out
-                    or self.blocks_to_copy or self.finished_seq_ids)
+                    or self.blocks_to_copy or self.finished_seq_ids or self.kv_ops is not None)
 
 
 # --- what the executor sends: a step as a change to the state the workers keep ------------------
@@ -145,6 +148,7 @@ class StepDelta:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     token_bitmask: Any = None
     virtual_engine: int = 0
+    kv_ops: Any = None  # ScheduledBatch.kv_ops
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class BlockAllocator:
@@ -29,6 +29,12 @@ class BlockAllocator:
         self._hash_of: list[Hashable | None] = [None] * num_blocks
         self._block_of: dict[Hashable, int] = {}
         self.num_evictions = 0
+        # called with (block, key) when an idle cached block is evicted, before it is reused:
+        # KV offload saves its content to a lower tier (kv_transfer/scheduler_side.py)
+        self.on_evict: Callable[[int, Hashable], None] | None = None
+        # called with (block, key) when a block is registered under a new key (a KV producer
+        # saves the computed block)
+        self.on_register: Callable[[int, Hashable], None] | None = None
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -63,9 +69,12 @@ class BlockAllocator:
             block = self._free.popleft()
         elif self._evictor:
             block, _ = self._evictor.popitem(last=False)
-            del self._block_of[self._hash_of[block]]
+            key = self._hash_of[block]
+            del self._block_of[key]
             self._hash_of[block] = None
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block, key)
         else:
             raise RuntimeError("out of KV blocks: the scheduler must check availability first")
         self._ref[block] = 1
@@ -88,6 +97,18 @@ class BlockAllocator:
             else:
                 self._free.appendleft(block)
 
+    def unregister(self, block: int) -> None:
+        """Forget the content ``block`` was registered under (its KV turned out invalid: a
+        failed KV load); an idle one becomes free."""
+        key = self._hash_of[block]
+        if key is None:
+            return
+        del self._block_of[key]
+        self._hash_of[block] = None
+        if block in self._evictor:
+            del self._evictor[block]
+            self._free.appendleft(block)
+
     def register(self, block: int, key: Hashable) -> None:
         """Record that ``block`` holds the content ``key`` (a full, computed block)."""
         if not self.enable_caching or self._hash_of[block] is not None:
@@ -96,3 +117,5 @@ class BlockAllocator:
             return  # another block already holds this content; this one stays private
         self._block_of[key] = block
         self._hash_of[block] = key
+        if self.on_register is not None:
+            self.on_register(block, key)

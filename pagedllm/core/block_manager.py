@@ -5,6 +5,7 @@ from collections.abc import Hashable, Iterable
 
 from pagedllm.core.block_allocator import BlockAllocator
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.kv_transfer.keys import block_key, root_key
 
 BlockPair = tuple[int, int]  # (src block, dst block)
 
@@ -32,7 +33,7 @@ class BlockManager:
 
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0,
                  watermark: float = 0.01, enable_caching: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, key_namespace: str = "") -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
         self.sliding_window = sliding_window
@@ -55,19 +56,29 @@ class BlockManager:
         self._dropped: dict[int, int] = {}
         self._prev_q0: dict[int, int] = {}
         self.num_slid_out_blocks = 0  # cumulative blocks freed early, for stats and tests
+        # content keys are rooted in what else changes KV (model, dtypes, layout; kv_transfer/
+        # keys.py): KV offload tiers and KV connectors store blocks under the same keys
+        self.key_namespace = key_namespace
+        self._roots: dict[int, bytes] = {}
 
     # --- content keys (prefix caching) ---------------------------------------------------
     def _block_keys(self, seq: Sequence, num_blocks: int) -> list[Hashable]:
-        """Keys of the first ``num_blocks`` full blocks: (hash of parent key, block's token ids);
-        the first block's parent is the sequence's adapter (None without one): the KV of the
-        same tokens differs between adapters."""
+        """Keys of the first ``num_blocks`` full blocks: a digest of the parent's key and the
+        block's token ids (kv_transfer/keys.py); the first block's parent is the root of the
+        namespace and the sequence's adapter: the KV of the same tokens differs between
+        adapters."""
         keys = self._keys.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else (("lora", seq.lora_int_id) if seq.lora_int_id
-                                                  else None)
-            keys.append((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            if keys:
+                parent = keys[-1]
+            else:
+                parent = self._roots.get(seq.lora_int_id)
+                if parent is None:
+                    parent = self._roots[seq.lora_int_id] = root_key(self.key_namespace,
+                                                                     seq.lora_int_id)
+            keys.append(block_key(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return keys
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:

@@ -49,6 +49,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_seq_ids: list[int] = []
         self._order = 0
+        # KV connectors / offload tiers (kv_transfer/scheduler_side.KVConnectorManager), set
+        # by the engine: loads prefixes held below the device before admitting a request
+        self.kv = None
 
     # --- queue management ----------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -119,6 +122,8 @@ class Scheduler:
         self._build_batch(out, chunks)
         out.batch.finished_seq_ids = self._finished_seq_ids
         self._finished_seq_ids = []
+        if self.kv is not None:
+            self.kv.end_schedule(out.batch)
         return out
 
     def _running_chunks(self, group: SequenceGroup, budget: _Budget) -> list[Chunk]:
@@ -228,6 +233,9 @@ class Scheduler:
             group = self.waiting[0]
             if not self._lora_fits(group):
                 skipped.append(self.waiting.pop(0))  # later requests may use running adapters
+                continue
+            if self.kv is not None and not self.kv.ready(group):
+                skipped.append(self.waiting.pop(0))  # its prefix is loading from a KV store
                 continue
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if budget.seqs < len(seqs):
@@ -346,6 +354,8 @@ class Scheduler:
             seq.num_computed_tokens += 1  # one past len(seq) until prev's token is appended
         out.batch.finished_seq_ids = self._finished_seq_ids
         self._finished_seq_ids = []
+        if self.kv is not None:
+            self.kv.end_schedule(out.batch)
         return out
 
     def _can_admit_ahead(self, budget: _Budget, num_decodes: int) -> bool:

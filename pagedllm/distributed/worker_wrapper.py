@@ -120,6 +120,10 @@ class WorkerWrapper:
     def list_loras(self) -> list[int]:
         return self.worker.list_loras()
 
+    def kv_connector_call(self, method: str, *args: Any) -> Any:
+        """KV connectors' / offload tiers' worker side (Worker.kv_connector_call)."""
+        return self.worker.kv_connector_call(method, *args)
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -11,6 +11,8 @@ from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCon
                              SchedulerConfig)
 from pagedllm.config import DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES
 from pagedllm.engine.arg_cli import add_dataclass_args, dataclass_kwargs
+from pagedllm.kv_offload.config import KVOffloadConfig
+from pagedllm.kv_transfer.config import KVTransferConfig
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
@@ -122,6 +124,20 @@ class EngineArgs:
         "help": "dtype of the LoRA slots; auto: the model dtype (the cpu backend computes a "
                 "half-precision model's LoRA in float32).",
         "choices": ("auto", "float32", "float16", "bfloat16")})
+    kv_offload_size: float = field(default=0.0, metadata={
+        "help": "GiB of host memory for KV blocks evicted from the device prefix cache (an LRU "
+                "tier below it: a prefix found there is loaded back instead of recomputed; "
+                "turns prefix caching on); 0: none."})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "Folder for a disk tier below the host tier (or below the device cache without "
+                "one): evicted KV blocks go there in one file, removed at exit; default: none."})
+    kv_offload_disk_size: float | None = field(default=None, metadata={
+        "help": "GiB the disk tier may take (default 4 with --kv-offload-disk)."})
+    kv_transfer_config: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "A KV connector as JSON (vLLM's keys), e.g. '{\"kv_connector\": "
+                "\"SharedStorageConnector\", \"kv_role\": \"kv_producer\", "
+                "\"kv_connector_extra_config\": {\"shared_storage_path\": DIR}}'; kv_role: "
+                "kv_producer, kv_consumer or kv_both; default: none."})
 
     # --- CLI -----------------------------------------------------------------------------
     @classmethod
@@ -144,12 +160,15 @@ class EngineArgs:
                             dtype=self.dtype, seed=self.seed, load_format=self.load_format,
                             hf_config=hf_config, quantization=self.quantization)
         model.max_model_len = derive_max_model_len(hf_config, self.max_model_len)
+        kv_offload, kv_transfer = self._kv_configs()
         cache = CacheConfig(block_size=self.block_size,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             swap_space_gib=self.swap_space,
                             kv_cache_space_gib=self.kv_cache_space_gib,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            enable_prefix_caching=self.enable_prefix_caching,
+                            enable_prefix_caching=(self.enable_prefix_caching
+                                                   or kv_offload is not None
+                                                   or kv_transfer is not None),
                             cache_dtype=self.kv_cache_dtype)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens or 0,
@@ -172,7 +191,27 @@ class EngineArgs:
                                                     max_lora_rank=self.max_lora_rank,
                                                     max_cpu_loras=self.max_cpu_loras,
                                                     lora_dtype=self.lora_dtype)
-                                         if self.enable_lora else None))
+                                         if self.enable_lora else None),
+                            kv_offload_config=kv_offload, kv_transfer_config=kv_transfer)
+
+    def _kv_configs(self) -> tuple[KVOffloadConfig | None, KVTransferConfig | None]:
+        """The offload tiers and the KV connector; kv_transfer_config naming the offload
+        connector gives its tier sizes in kv_connector_extra_config (kv_offload_size, ...)."""
+        offload = KVOffloadConfig.from_args(self.kv_offload_size, self.kv_offload_disk,
+                                            self.kv_offload_disk_size)
+        transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+        if transfer is not None and transfer.kv_connector == "OffloadingConnector":
+            extra = transfer.kv_connector_extra_config
+            unknown = set(extra) - {"kv_offload_size", "kv_offload_disk", "kv_offload_disk_size"}
+            if unknown:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown "
+                                 f"key(s) {', '.join(sorted(unknown))} for OffloadingConnector; "
+                                 "known: kv_offload_size, kv_offload_disk, kv_offload_disk_size")
+            offload = offload or KVOffloadConfig.from_args(
+                extra.get("kv_offload_size"), extra.get("kv_offload_disk"),
+                extra.get("kv_offload_disk_size"))
+            transfer = None
+        return offload, transfer
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

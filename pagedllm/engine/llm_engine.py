@@ -20,6 +20,7 @@ from pagedllm.engine.speculative import SpeculativeDecoding
 from pagedllm.engine.steppers import StepDone, make_stepper
 from pagedllm.engine.tokenizer import get_tokenizer, stop_token_ids_of
 from pagedllm.executor.factory import make_executor
+from pagedllm.kv_transfer.engine import KVTransferEngine, kv_namespace
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.models.layers.attention import model_sliding_window
 from pagedllm.outputs import RequestMetrics, RequestOutput
@@ -47,6 +48,8 @@ class EngineStats:
     running_lora_adapters: list[str] | None = None
     waiting_lora_adapters: list[str] | None = None
     max_lora: int = 0
+    # KV offload tiers / connectors (kv_transfer/engine.py stats), None without them
+    kv_transfer: dict | None = None
 
 
 class LLMEngine:
@@ -88,11 +91,14 @@ class LLMEngine:
             scheduler_cls(config.scheduler,
                           block_manager_cls(config.cache.block_size, num_device, num_host,
                                             enable_caching=config.cache.enable_prefix_caching,
-                                            sliding_window=window),
+                                            sliding_window=window,
+                                            key_namespace=kv_namespace(config)),
                           can_swap=self.backend.capabilities.swap)
             for _ in range(config.parallel.pipeline_parallel_size)]
         self.scheduler = self.schedulers[0]
         self.block_manager = self.scheduler.block_manager
+        # KV offload tiers and KV connectors (kv_transfer/engine.py), None without them
+        self.kv = KVTransferEngine.create(config, self.executor, self.schedulers)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.model.max_model_len)
         self._requests: dict[str, SequenceGroup] = {}
@@ -236,6 +242,8 @@ class LLMEngine:
         self._admit_guided()
         try:
             done = self.stepper.step()
+            if self.kv is not None:
+                self.kv.after_step(done)
         except BaseException as exc:
             # the scheduler already counted the step's tokens as computed: state is unusable
             self._error = exc
@@ -338,6 +346,7 @@ class LLMEngine:
             kv_cache_usage=sum(b.usage() for b in bms) / len(bms),
             spec_decode=(self.stepper.metrics.as_dict() if self.speculative is not None
                          else None),
+            kv_transfer=self.kv.stats() if self.kv is not None else None,
             **self._lora_stats())
 
     def _lora_stats(self) -> dict[str, Any]:
@@ -361,4 +370,6 @@ class LLMEngine:
             return
         self._shut_down = True
         self.guided.shutdown()
+        if getattr(self, "kv", None) is not None:
+            self.kv.shutdown()
         self.executor.shutdown()

@@ -51,6 +51,11 @@ class Executor(ABC):
     def list_loras(self) -> set[int]:
         raise NotImplementedError(f"{type(self).__name__} does not run LoRA adapters")
 
+    # --- KV connectors / offload tiers (kv_transfer/engine.py) ---------------------------
+    def kv_connector_call(self, method: str, *args: object) -> list:
+        """``Worker.kv_connector_call`` on every worker; each worker's result, in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} does not run KV connectors")
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -97,6 +102,9 @@ class MultiWorkerExecutor(Executor):
 
     def list_loras(self) -> set[int]:
         return set(self._call("list_loras")[0])
+
+    def kv_connector_call(self, method: str, *args: object) -> list:
+        return self._call("kv_connector_call", method, *args)
 
     def stage_timelines(self) -> list[list[tuple[float, float]]]:
         """Each rank's pipeline steps since the last call, (start, end) on the host's monotonic

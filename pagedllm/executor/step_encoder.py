@@ -57,7 +57,7 @@ class StepEncoder:
                          blocks_to_swap_out=batch.blocks_to_swap_out,
                          blocks_to_swap_in=batch.blocks_to_swap_in,
                          blocks_to_copy=batch.blocks_to_copy, token_bitmask=batch.token_bitmask,
-                         virtual_engine=batch.virtual_engine)
+                         virtual_engine=batch.virtual_engine, kv_ops=batch.kv_ops)
         bs, entries = self.block_size, step.seqs
         for s in batch.seqs:
             extra = None

@@ -43,5 +43,8 @@ class UniProcExecutor(Executor):
     def list_loras(self) -> set[int]:
         return set(self.worker.list_loras())
 
+    def kv_connector_call(self, method: str, *args: object) -> list:
+        return [self.worker.kv_connector_call(method, *args)]
+
     def shutdown(self) -> None:
         self.worker.release()

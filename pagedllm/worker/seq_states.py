@@ -65,4 +65,4 @@ class SeqStates:
                 lora_request=state.lora_request, **(extra or {})))
         return ScheduledBatch(batch, step.blocks_to_swap_out, step.blocks_to_swap_in,
                               step.blocks_to_copy, step.finished_seq_ids, step.token_bitmask,
-                              step.virtual_engine)
+                              step.virtual_engine, step.kv_ops)

@@ -72,6 +72,9 @@ class Worker:
         self.seq_states = SeqStates()
         # LoRA adapters' host cache and device slots (pagedllm/lora), with enable_lora=True
         self.lora_manager = None
+        # KV connectors' / offload tiers' worker side (kv_transfer/worker_side.KVWorkerRunner),
+        # opened by the engine (kv_connector_call("init", ...)) once the cache exists
+        self.kv_connector = None
 
     # --- hooks a backend may override ----------------------------------------------------
     def select_device(self) -> torch.device:
@@ -109,6 +112,8 @@ class Worker:
         """Drop the model, the runner and every KV cache (engine shutdown); idempotent. The
         counters stay readable."""
         self.model = self.runner = None
+        if self.kv_connector is not None:
+            self.kv_connector_call("close")
         self.kv_caches, self.host_caches = [], []
         self.ve_kv_caches, self.ve_host_caches = [], []
         self.release_device_memory()
@@ -149,6 +154,14 @@ class Worker:
 
     def list_loras(self) -> list[int]:
         return self.lora_manager.list_loras() if self.lora_manager is not None else []
+
+    # --- KV connectors / offload tiers (the engine's kv_transfer/engine.py) -------------------
+    def kv_connector_call(self, method: str, *args: object) -> object:
+        """"init" opens the connectors' stores on this worker (returns slots per store);
+        "apply" runs block moves now; other names are KVWorkerRunner methods."""
+        from pagedllm.kv_transfer.worker_side import worker_call
+
+        return worker_call(self, method, *args)
 
     def profile_run(self, max_tokens: int | None = None) -> None:
         """One forward + sample at the largest batch the scheduler may send (for memory sizing),
@@ -271,6 +284,9 @@ class Worker:
         ops = self.cache_ops
         ve = batch.virtual_engine
         caches = self.ve_kv_caches[ve] if self.ve_kv_caches else self.kv_caches
+        kv = self.kv_connector
+        if kv is not None:  # saves of evicted blocks before anything overwrites them
+            kv.before_moves(batch.kv_ops, caches)
         if batch.blocks_to_swap_out:
             ops.swap_blocks(caches, self._host(ve),
                             torch.tensor(batch.blocks_to_swap_out, dtype=torch.int64))
@@ -280,3 +296,5 @@ class Worker:
         if batch.blocks_to_copy:
             ops.copy_blocks(caches, torch.tensor(batch.blocks_to_copy, dtype=torch.int64,
                                                  device=self.device))
+        if kv is not None:  # loads into freshly allocated blocks, overlapping the forward
+            kv.after_moves(batch.kv_ops, caches)

@@ -64,3 +64,5 @@ class Stepper(ABC):
     def _prepare(self, sched: SchedulerOutput) -> None:
         """The host-side inputs a launch needs besides the plan: the guided token bitmask."""
         sched.batch.token_bitmask = self.guided.bitmask(sched)
+        if self.scheduler.kv is not None:  # block moves recorded after scheduling (evictions)
+            self.scheduler.kv.attach(sched.batch)
