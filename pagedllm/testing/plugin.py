@@ -208,7 +208,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _parametrize_space(metafunc: pytest.Metafunc) -> None:
     """A swept check (its module's ``SPACES[name](caps, features, kv_cache_dtypes)``): the
     combinations of its declared space this run takes (space.py), one case each."""
-    from pagedllm.backends.interface import Capabilities
+    from pagedllm.contract.capabilities import Capabilities
     from pagedllm.testing.space import case_id
 
     cls = _backend_class(metafunc.config)

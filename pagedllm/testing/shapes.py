@@ -26,7 +26,7 @@ from pagedllm.testing.paged_batch import SeqSpec
 from pagedllm.testing.space import Space, exclude, extremes_and_odd
 
 if TYPE_CHECKING:
-    from pagedllm.backends.interface import Capabilities
+    from pagedllm.contract.capabilities import Capabilities
 
 DECODE, PREFILL, CHUNKS, LONG = "decode", "prefill", "chunks", "long"
 SHAPE_CLASSES = (DECODE, PREFILL, CHUNKS, LONG)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.backends.interface import Capabilities
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.coverage import note
 from pagedllm.testing.e2e import MAX_TOKENS
 from pagedllm.testing.invariants import assert_drained

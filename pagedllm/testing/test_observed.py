@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.coverage import note
 from pagedllm.testing.e2e import MAX_TOKENS, engine_greedy, first_mismatch, hf_greedy, prompts
 from pagedllm.testing.observe import watching

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.models.layers import ops as reference
-from pagedllm.models.layers.ops import Ops
+from pagedllm.reference.ops import Ops
 from pagedllm.testing.coverage import note
 from pagedllm.testing.harness import tolerance, torch_dtype
 from pagedllm.testing.space import Space
@@ -225,7 +226,7 @@ def test_fused_moe_sweep(conformance_backend: Backend, sweep_case: dict[str, Any
                          conformance_device: torch.device) -> None:
     """Experts past 8 (60: Qwen1.5-MoE; 128: Qwen3-MoE), top-1/2/8, renormalized or not; router
     logits spread apart so every dtype picks the same experts."""
-    from pagedllm.models.layers import moe_ops
+    from pagedllm.reference import moe as moe_ops
 
     case, dev = sweep_case, conformance_device
     rng, dt = _rng(case), torch_dtype(case["dtype"])

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.coverage import note
 from pagedllm.testing.harness import cache_shape, make_attention, stale_pool, torch_dtype
 from pagedllm.testing.paged_batch import PagedBatch, SeqSpec

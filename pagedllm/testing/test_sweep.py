@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.backends.interface import Backend, Capabilities
+from pagedllm.contract.backend import Backend
+from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.harness import (FP8_MAX, KV_CACHE_TORCH_DTYPES, make_attention,
                                       round_to_cache, stale_pool, torch_dtype)
 from pagedllm.testing.metrics import assert_close
