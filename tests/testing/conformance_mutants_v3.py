@@ -8,6 +8,7 @@ model ops.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import torch
@@ -37,19 +38,23 @@ def _decode_grid_64(self: RefAttention, query: torch.Tensor, kv_cache: torch.Ten
     return out
 
 
-def _prefill_keys_256(self: RefAttention, kv_cache: torch.Tensor, table: torch.Tensor,
-                      length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    k, v = RefAttention.gather(self, kv_cache, table, length)
-    if 256 < length < 4096:  # a prefill kernel keeping 4 key tiles of 64 on chip: later keys
-        k, v = k.clone(), v.clone()  # read the first tiles' slots again
-        k[256:], v[256:] = k[:length - 256], v[:length - 256]
-    return k, v
+def _prefill_causal_tile_4(self: RefAttention, q_pos: torch.Tensor,
+                           k_pos: torch.Tensor) -> torch.Tensor:
+    """A prefill kernel computing query tiles of 64 rows that takes the causal bound of tiles
+    past the fourth from the fourth (rows past 256 of one prefill miss their later keys)."""
+    seen = RefAttention.visible(self, q_pos, k_pos)
+    if len(q_pos) > 256:
+        capped = torch.minimum(q_pos, q_pos[255])
+        seen = RefAttention.visible(self, capped, k_pos)
+    return seen
 
 
-def _chunk_start_block_aligned(self: RefAttention, metadata: AttentionMetadata, i: int) -> int:
+def _chunk_at_last_slot(self: RefAttention, metadata: AttentionMetadata, i: int) -> int:
+    """A chunk starting in the last slot of a block reads one context token less (the
+    block-boundary case of the chunk-start path off by one)."""
     ctx = metadata.prefill_context_lens_list[i]
     bs = metadata.block_size
-    return ctx if ctx < bs else ctx - ctx % bs + (ctx % bs) // 2 * 2  # odd offsets lose one
+    return ctx - 1 if bs > 2 and ctx % bs == bs - 1 else ctx
 
 
 def _context_16k(self: RefAttention, kv_cache: torch.Tensor, table: torch.Tensor,
@@ -105,16 +110,17 @@ def _split_order_by_call(self: RefAttention, p: torch.Tensor, v: torch.Tensor) -
 _ARRIVAL = random.Random()  # unseeded: the order partitions finish in varies run to run
 
 
-def _softmax_max_carried(self: RefAttention, s: torch.Tensor) -> torch.Tensor:
-    """Online softmax whose running max starts from the previous call's (a workspace not reset):
-    the same result mathematically, other bits."""
-    start = getattr(self, "_max", None)
-    m = s.amax(-1, keepdim=True)
-    if start is not None:
-        m = torch.maximum(m, torch.full_like(m, start))
-    self._max = float(m.max()) if torch.isfinite(m).all() else None
-    e = torch.exp(s - m)
-    return e / e.sum(-1, keepdim=True)
+def _split_k_by_clock(self: RefAttention, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Split-K partitions (2 or 3) chosen per call from a clock-based occupancy estimate, as a
+    launch heuristic reading the device's load would: the same inputs reduce in another order
+    from one call to the next."""
+    n = p.shape[-1]
+    parts = 2 + (time.perf_counter_ns() >> 10) % 2
+    cuts = [n * j // parts for j in range(parts + 1)]
+    out = torch.einsum("hqk,khd->qhd", p[..., :cuts[1]], v[:cuts[1]])
+    for a, b in zip(cuts[1:], cuts[2:]):
+        out = out + torch.einsum("hqk,khd->qhd", p[..., a:b], v[a:b])
+    return out
 
 
 _KEPT: list[torch.Tensor] = []
@@ -196,10 +202,11 @@ NEW_MUTANTS: list[Mutant] = [
            blind_spot=SHAPES),
     Mutant("decode_grid_of_64", "decodes past the 64th reuse an earlier slot's result",
            attention={"decode": _decode_grid_64}, first=("sweep[float32",), blind_spot=SHAPES),
-    Mutant("prefill_keys_in_4_tiles", "prefill keys past 256 read the first tiles' slots",
-           attention={"gather": _prefill_keys_256}, first=("sweep[float32",), blind_spot=SHAPES),
-    Mutant("chunk_offset_rounded", "a chunk starting at an odd offset in a block starts one early",
-           attention={"context_len": _chunk_start_block_aligned}, first=("sweep[float32",),
+    Mutant("prefill_causal_bound_tile_4", "prefill rows past 256 take the 4th tile's causal bound",
+           attention={"visible": _prefill_causal_tile_4}, first=("sweep[float32",),
+           blind_spot=SHAPES),
+    Mutant("chunk_at_last_slot", "a chunk starting in a block's last slot misses a context token",
+           attention={"context_len": _chunk_at_last_slot}, first=("sweep[float32",),
            blind_spot=SHAPES),
     Mutant("context_capped_at_16k", "decode reads at most 16,384 tokens",
            attention={"gather": _context_16k}, first=("sweep[float32",), blind_spot=SHAPES),
@@ -224,8 +231,8 @@ NEW_MUTANTS: list[Mutant] = [
     Mutant("reduction_order_varies", "P @ V partitions added in the order they finish",
            attention={"combine": _split_order_by_call}, first=("deterministic[",),
            blind_spot=REPETITION),
-    Mutant("softmax_max_carried_over", "the online softmax's max starts at the last call's",
-           attention={"softmax": _softmax_max_carried}, first=("deterministic[",),
+    Mutant("split_k_by_clock", "split-K partitions (2 or 3) chosen by a clock every call",
+           attention={"combine": _split_k_by_clock}, first=("deterministic[",),
            blind_spot=REPETITION),
     Mutant("write_kv_keeps_staging", "write_kv keeps a staging copy of every step's K/V",
            attention={"write_kv": _write_keeps_staging}, first=("memory[",),
