@@ -37,6 +37,8 @@ grep -q "^tpu .* available" <<< "$TABLE" || {
 }
 
 # the pytest11 entry point needs an installed pagedllm; here the plugin is named explicitly
+# --conformance-sweep values: the swept checks take every value of each dimension once
+# (a few cases a check; the default covering array would compile a program per combination)
 "$VPY" -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin --durations=10 \
-  --pyargs pagedllm.testing tests/backends/test_tpu.py --device tpu \
+  --conformance-sweep values --pyargs pagedllm.testing tests/backends/test_tpu.py --device tpu \
   ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/tpu.json"}

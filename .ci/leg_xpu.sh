@@ -29,6 +29,9 @@ cd "$ROOT"
 echo "xpu: pagedllm backends (no Intel GPU here: xpu reports why)"
 "$VPY" -m pagedllm.entrypoints.cli backends 2>/dev/null
 
+# --conformance-sweep values: the swept checks take every value of each dimension once (a few
+# cases a check, keeping the leg's time; the cpu leg runs the default covering array)
 "$VPY" -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin --durations=10 \
-  --pyargs pagedllm.testing tests/backends/test_xpu.py --device cpu --attention-backend ipex \
+  --conformance-sweep values --pyargs pagedllm.testing tests/backends/test_xpu.py \
+  --device cpu --attention-backend ipex \
   ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/xpu.json"}
