@@ -54,6 +54,15 @@ def test_metrics_count_tokens(server, client) -> None:
     assert (after["pagedllm:time_to_first_token_seconds_count"]
             - before["pagedllm:time_to_first_token_seconds_count"]) == 1
     assert after["pagedllm:time_per_output_token_seconds_count"] >= 1
+    # streamed: the server's outputs are deltas; every token is counted once
+    list(client.completions.create(model="tiny", prompt=[10, 11, 12], max_tokens=5, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    streamed = server.metrics()
+    assert streamed["pagedllm:prompt_tokens_total"] - after["pagedllm:prompt_tokens_total"] == 3
+    assert (streamed["pagedllm:generation_tokens_total"]
+            - after["pagedllm:generation_tokens_total"]) == 5
+    assert (streamed["pagedllm:time_per_output_token_seconds_count"]
+            - after["pagedllm:time_per_output_token_seconds_count"]) == 1
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
                  "gpu_cache_usage_perc", "num_preemptions_total", "num_free_blocks",
                  "num_gpu_blocks"):
