@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.contract.backend import Backend
 from pagedllm.contract.capabilities import Capabilities
-from pagedllm.models.layers import ops as reference
+from pagedllm.reference import ops as reference
 from pagedllm.reference.ops import Ops
 from pagedllm.testing.coverage import note
 from pagedllm.testing.harness import tolerance, torch_dtype
