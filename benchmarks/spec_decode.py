@@ -296,27 +296,32 @@ def main(argv: list[str] | None = None) -> int:
             "batches": batches, "dtype": args.dtype, "waves": waves}
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for engine in engines:
+    # one process per (engine, method, batch), interleaved (batch, then method, then engine) so
+    # that a change in the machine's load hits the pairs compared alike
+    by_key: dict[tuple[str, str], dict[str, Any]] = {
+        (e, m): {"engine": e, "method": m, "batches": {}} for e in engines for m in methods}
+    loads = []
+    for b in batches:
+        waves_b = args.waves or (8 if b == 1 else 4 if b <= 8 else 2)
         for method in methods:
-            per_batch_waves = {}
-            for b in batches:
-                per_batch_waves[b] = args.waves or (8 if b == 1 else 4 if b <= 8 else 2)
-            # one process per (engine, method); each batch size uses its own wave count
-            result: dict[str, Any] = {"engine": engine, "method": method, "batches": {}}
-            for b in batches:
-                sub = launch(engine, method, dict(spec, batches=[b], waves=per_batch_waves[b]),
-                             log_dir, args.vllm_python)
+            for engine in engines:
+                result = by_key[(engine, method)]
+                if "error" in result:
+                    continue
+                sub = launch(engine, method, dict(spec, batches=[b], waves=waves_b), log_dir,
+                             args.vllm_python)
+                loads.append(os.getloadavg()[0])
                 if "error" in sub:
-                    result = sub
-                    break
+                    by_key[(engine, method)] = sub
+                    continue
                 result["version"] = sub["version"]
                 result["batches"].update(sub["batches"])
-            results.append(result)
+    results = list(by_key.values())
     for line in table(results, batches):
         print(line)
     load = os.getloadavg()
-    print(f"\nload average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"\nload average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after each "
+          f"run: {', '.join(f'{x:.1f}' for x in loads)}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"results": results, "load": load,
                                                       "args": vars(args)}, indent=1))
