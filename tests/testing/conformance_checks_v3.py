@@ -61,7 +61,7 @@ def engine_checks(b: Backend, checkpoint: str, reference: tuple[list, list],
 
     out: list[Check] = [("engine:memory", engine(
         test_engine_repeat.test_engine_rounds_repeat_and_keep_memory_flat, checkpoint, b.name,
-        caps, dev, reference))]
+        caps, dev, reference, PAIRS))]
     if caps.chunked_prefill:
         out.append(("engine:chunked_prefill", engine(test_observed.test_chunked_prefill_splits,
                                                      checkpoint, b.name, caps, reference)))
