@@ -248,7 +248,17 @@ def table(results: list[dict[str, Any]], batches: list[int]) -> list[str]:
             mal = e.get("mean_accepted_length")
             lines.append(f"| {r['engine']} | {r['method']} | {b} | {e['output_tok_per_s']:.1f} | "
                          f"{speed} | {'-' if mal is None else f'{mal:.2f}'} | {same} |")
-    return lines
+    spread = []
+    for r in results:
+        for b in batches:
+            per = [x for x in r.get("batches", {}).get(str(b), {}).get(
+                "per_request_mean_accepted_length") or [] if x is not None]
+            if per:
+                per.sort()
+                spread.append(f"{r['engine']} {r['method']} batch {b}: per-request mean accepted "
+                              f"length min {per[0]:.2f}, median {per[len(per) // 2]:.2f}, max "
+                              f"{per[-1]:.2f} over {len(per)} requests")
+    return lines + ([""] + spread if spread else [])
 
 
 def main(argv: list[str] | None = None) -> int:
