@@ -72,7 +72,12 @@ def run_pagedllm(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[in
     outs = llm.generate(inputs, params, use_tqdm=True)  # tqdm: one tick per finished prompt
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return _figures(len(outs), generated, args.input_len, elapsed), prompts, config
+    figures = _figures(len(outs), generated, args.input_len, elapsed)
+    kv = llm.llm_engine.kv
+    if kv is not None:  # KV offload tiers / connectors: prefix hit rates per tier
+        print(kv.summary())
+        figures["kv_hit_rates"] = kv.hit_rates()
+    return figures, prompts, config
 
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]], config: Any) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``backends`` (and ``--version``).
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``backends``, ``proxy`` (and
+``--version``).
 
     pagedllm serve MODEL [--device cpu] [--port 8000] [engine flags ...]
     pagedllm generate [--model PATH] [--device D] [sampling flags] PROMPT... [--prompts-file F]
     pagedllm bench [--model PATH] [--peer hf] [--output-json F] [--plot F.png] [engine flags ...]
     pagedllm backends
+    pagedllm proxy --prefill URL --decode URL [--port 8000]
 
 Each subcommand adds its own subparser and sets ``func``, a function of the parsed args that
 returns the exit status. Engine imports happen inside ``func`` so ``pagedllm --help`` stays fast.
@@ -56,6 +58,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_module("pagedllm.entrypoints.backends_cmd"),
     _add_module("pagedllm.entrypoints.models_cmd"),
     _add_module("pagedllm.entrypoints.bench_cmd"),
+    _add_module("pagedllm.entrypoints.proxy"),
 ]
 
 

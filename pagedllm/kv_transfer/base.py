@@ -32,7 +32,7 @@ class KVStepOps:
     before the save that reuses its slot): ``("save", store, device_block, slot)`` or
     ``("move", src_store, src_slot, dst_store, dst_slot)``. ``loads`` start after the swaps:
     ``(store, slot, device_block)``; they overlap the step's forward and are complete (or
-    failed) before the worker's next step, or when ``take_failed`` asks."""
+    failed) before the worker's next step, or when ``take_load_results`` asks."""
 
     stores: list[tuple] = field(default_factory=list)
     loads: list[tuple[str, Slot, int]] = field(default_factory=list)

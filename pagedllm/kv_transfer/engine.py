@@ -1,10 +1,12 @@
 """The engine's side of KV connectors and offload tiers: opens them when the engine starts,
 lands each step's loads (and learns which failed), hands a producer's saves to the workers
-after the step, and reports counters and the idle invariants."""
+after the step, keeps the counters (hits, bytes and residency per tier, load latency), logs
+hit rates, and checks the idle invariants."""
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.kv_transfer.base import KVConnector
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from pagedllm.executor.base import Executor
 
 logger = logging.getLogger(__name__)
+LOG_INTERVAL_S = 10.0  # hit rates are logged at most this often, after activity
 
 
 def kv_namespace(config: EngineConfig) -> str:
@@ -40,14 +43,19 @@ class KVTransferEngine:
             classes.append(resolve_connector(config.kv_transfer_config.kv_connector))
         self.executor = executor
         self.schedulers = schedulers
+        self.block_size = config.cache.block_size
         specs = [(cls.worker_class, cls.worker_spec(config)) for cls in classes]
         per_rank = executor.kv_connector_call("init", specs)
-        slots = {name: min(r[name] for r in per_rank) for name in per_rank[0]}
+        slots = {name: min(r["slots"][name] for r in per_rank) for name in per_rank[0]["slots"]}
+        self.row_bytes = per_rank[0]["row_bytes"]  # one block of every layer
         self.connectors = [cls(config, slots) for cls in classes]
         self.manager = KVConnectorManager(schedulers[0].block_manager, self.connectors)
         schedulers[0].kv = self.manager
-        logger.info("KV connectors: %s; stores (blocks): %s",
-                    ", ".join(c.name for c in self.connectors),
+        self.load_seconds: list[float] = []  # load latencies not yet taken by stats()
+        self.num_loads, self.load_seconds_sum = 0, 0.0
+        self._logged_at, self._logged_queried = time.monotonic(), 0
+        logger.info("KV connectors: %s; stores (blocks of %d bytes): %s",
+                    ", ".join(c.name for c in self.connectors), self.row_bytes,
                     ", ".join(f"{k} {v}" for k, v in slots.items()) or "none")
 
     @classmethod
@@ -64,25 +72,73 @@ class KVTransferEngine:
         ops = done.sched.batch.kv_ops if done is not None else None
         failed: list = []
         if ops is not None and ops.loads:
-            failed = [f for rank in self.executor.kv_connector_call("take_failed") for f in rank]
+            for rank_failed, seconds in self.executor.kv_connector_call("take_load_results"):
+                failed += rank_failed
+                self.load_seconds += seconds
+                self.num_loads += len(seconds)
+                self.load_seconds_sum += sum(seconds)
+            del self.load_seconds[:-4096]
         self.manager.land(ops, failed)
         pending = self.manager.take_pending()
         if pending is not None:
             self.executor.kv_connector_call("apply", pending.for_workers())
         if not any(s.has_unfinished() for s in self.schedulers):
             self.manager.release_landed()
+        if time.monotonic() - self._logged_at > LOG_INTERVAL_S:
+            self._log_rates()
+
+    def hit_rates(self) -> dict[str, float]:
+        """Of the full prompt blocks asked about: the fraction found in the device cache and
+        the fraction loaded from each store."""
+        c = self.manager.counters
+        queried = c.get("queried", 0)
+        if not queried:
+            return {}
+        rates = {"device": c.get("device", 0) / queried}
+        for key, n in c.items():
+            if key.startswith("loaded:"):
+                rates[key[7:]] = n / queried
+        return rates
+
+    def _log_rates(self) -> None:
+        self._logged_at = time.monotonic()
+        queried = self.manager.counters.get("queried", 0)
+        if queried == self._logged_queried:
+            return
+        self._logged_queried = queried
+        logger.info("%s", self.summary())
+
+    def summary(self) -> str:
+        """One line: hit rates per tier, residency, bytes moved, load latency."""
+        stats = self.stats()
+        rates = ", ".join(f"{k} {v:.1%}" for k, v in self.hit_rates().items())
+        tiers = "; ".join(f"{name} {t['resident']}/{t['slots']} blocks resident"
+                          for c in self.connectors for name, t in c.stats().items()
+                          if "resident" in t)
+        mib = 1 << 20
+        moved = ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in stats["bytes"].items())
+        latency = (f"; load {1e3 * self.load_seconds_sum / self.num_loads:.2f} ms mean"
+                   if self.num_loads else "")
+        return (f"KV prefix hits of {self.manager.counters.get('queried', 0)} prompt blocks: "
+                f"{rates or 'none'}; {tiers or 'no tiers'}; {moved or 'nothing moved'}{latency}")
 
     def stats(self) -> dict[str, Any]:
-        """The scheduler side's counters and residency, and the workers' bytes and load
-        latencies (rank 0's)."""
+        """Counters (blocks), bytes moved per store and direction, residency per store,
+        hit rates, and the load latencies since the previous call (taken)."""
         out = self.manager.stats()
-        out["workers"] = self.executor.kv_connector_call("stats")[0]
+        out["bytes"] = {k: v * self.row_bytes for k, v in out["counters"].items()
+                        if k.split(":")[0] in ("loaded", "saved")}
+        out["hit_rates"] = self.hit_rates()
+        out["load_seconds"], self.load_seconds = self.load_seconds, []
+        out["num_loads"], out["load_seconds_sum"] = self.num_loads, self.load_seconds_sum
         return out
 
     def check_idle(self) -> list[str]:
         return self.manager.check_idle()
 
     def shutdown(self) -> None:
+        if self.num_loads or self.manager.counters:
+            logger.info("%s", self.summary())
         try:
             self.executor.kv_connector_call("close")
         except Exception as exc:  # the workers may be gone already

@@ -18,7 +18,7 @@ handed to the workers at once after the step (``take_pending``: a producer's sav
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.kv_transfer.base import Key, KVConnector, KVStepOps
@@ -46,7 +46,10 @@ class KVConnectorManager:
         self._loading: dict[Key, tuple[int, KVConnector]] = {}
         self._pinned: list[int] = []  # device blocks pinned by loads not yet landed
         self._landed: list[int] = []  # pinned until the end of the next schedule
-        self.counters: Counter[str] = Counter()  # loaded/failed/saved blocks, per store
+        # blocks: "queried" (full prompt blocks of sequences asked about, once each),
+        # "device" (of those, in the device cache then), "loaded:S" / "failed:S" / "saved:S"
+        self.counters: Counter[str] = Counter()
+        self._queried: OrderedDict[int, None] = OrderedDict()  # seq ids counted
         block_manager.device.on_evict = self._on_evict
         block_manager.device.on_register = self._on_register
 
@@ -81,6 +84,12 @@ class KVConnectorManager:
         bm = self.bm
         max_blocks = (len(seq) - 1) // bm.block_size  # the last token is always computed
         hits = bm._prefix_hits(seq)
+        if seq.seq_id not in self._queried:
+            self._queried[seq.seq_id] = None
+            if len(self._queried) > 1 << 16:
+                self._queried.popitem(last=False)
+            self.counters["queried"] += max_blocks
+            self.counters["device"] += len(hits)
         if len(hits) >= max_blocks:
             return True
         keys = bm._block_keys(seq, max_blocks)
@@ -122,10 +131,15 @@ class KVConnectorManager:
         return False
 
     # --- the step -----------------------------------------------------------------------
+    def _count_saves(self, ops: KVStepOps) -> None:
+        for op in ops.stores:
+            self.counters[f"saved:{op[1] if op[0] == 'save' else op[3]}"] += 1
+
     def attach(self, batch: ScheduledBatch) -> None:
         """Hand the moves collected so far to ``batch`` (they run before its forward)."""
         if not self._ops:
             return
+        self._count_saves(self._ops)
         if batch.kv_ops is None:
             batch.kv_ops = self._ops
         else:
@@ -174,6 +188,7 @@ class KVConnectorManager:
         if not self._ops:
             return None
         ops, self._ops = self._ops, KVStepOps()
+        self._count_saves(ops)
         return ops
 
     # --- bookkeeping --------------------------------------------------------------------

@@ -43,6 +43,7 @@ class SharedStorageConnector(KVConnector):
         self.path = self.storage_path(config)
         self.producer, self.consumer = transfer.is_producer, transfer.is_consumer
         self._saved: OrderedDict[Key, None] = OrderedDict()
+        self._broken: OrderedDict[Key, None] = OrderedDict()  # failed to load: not tried again
         self.counters: Counter[str] = Counter()
 
     @staticmethod
@@ -55,7 +56,8 @@ class SharedStorageConnector(KVConnector):
         return {"path": cls.storage_path(config)}
 
     def locate(self, key: Key) -> tuple[str, Slot] | None:
-        if self.consumer and os.path.exists(block_path(self.path, key)):  # type: ignore[arg-type]
+        if (self.consumer and key not in self._broken
+                and os.path.exists(block_path(self.path, key))):  # type: ignore[arg-type]
             return STORE, key
         return None
 
@@ -64,6 +66,9 @@ class SharedStorageConnector(KVConnector):
 
     def load_failed(self, key: Key, store: str, slot: Slot) -> None:
         self.counters["failed"] += 1
+        self._broken[key] = None
+        if len(self._broken) > _RECENT:
+            self._broken.popitem(last=False)
 
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
         if not self.producer or key in self._saved:

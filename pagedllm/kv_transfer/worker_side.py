@@ -7,7 +7,7 @@ device blocks in the worker's own thread before the step writes them (``export_b
 once they are captured) and queues the store write; a load queues the store read and the
 ``import_blocks`` into its device blocks, which then overlaps the step's forward (those blocks
 are pinned: nothing else reads or writes them) and is joined before the next step's moves, or
-when the engine asks for failures after the step (``take_failed``).
+when the engine asks for failures after the step (``take_load_results``).
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class KVWorkerRunner:
         self._loads: list[tuple[Future, str, list[tuple]]] = []
         self._failed: list[tuple[str, Slot, int]] = []
         self.counters: Counter[str] = Counter()  # bytes/blocks saved, loaded, failed per store
-        self.load_seconds: list[float] = []  # per load group: store read + import (recent)
+        self.load_seconds: list[float] = []  # per load group: store read + import, not taken
 
     def num_slots(self) -> dict[str, int]:
         return {name: s.num_slots for name, s in self.stores.items()}
@@ -183,22 +183,40 @@ class KVWorkerRunner:
         self._writes.append((self._io.submit(job), nbytes))
 
     def _load(self, store: str, slots: list[Slot], blocks: list[int],
-              caches: list[torch.Tensor]) -> None:
+              caches: list[torch.Tensor]) -> list[int]:
+        """Read ``slots`` and import them into ``blocks``; the indices that failed (a group
+        that fails is retried block by block, so one bad block costs only itself)."""
         start = time.perf_counter()
         rows = self.layout.staging(len(slots))
-        self.stores[store].read(slots, rows)
-        self.cache_ops.import_blocks(rows, caches, torch.tensor(blocks, dtype=torch.int64)).wait()
+        try:
+            self.stores[store].read(slots, rows)
+            good = list(range(len(slots)))
+        except (OSError, ValueError) as exc:
+            good = []
+            for i, slot in enumerate(slots):
+                try:
+                    self.stores[store].read([slot], rows[i:i + 1])
+                    good.append(i)
+                except (OSError, ValueError) as one:
+                    logger.warning("KV load from %s failed: %s", store, one)
+            if not good:
+                raise exc
+        ids = torch.tensor([blocks[i] for i in good], dtype=torch.int64)
+        self.cache_ops.import_blocks(rows[good].contiguous() if len(good) < len(slots) else rows,
+                                     caches, ids).wait()
         self.load_seconds.append(time.perf_counter() - start)
-        del self.load_seconds[:-LATENCY_SAMPLES]
+        del self.load_seconds[:-LATENCY_SAMPLES]  # nobody asks: keep the latest only
+        return sorted(set(range(len(slots))) - set(good))
 
     def join_loads(self) -> None:
         """Wait for the loads in flight; a failed group's (store, slot, block)s are kept for
-        ``take_failed`` (the engine then computes those blocks)."""
+        ``take_load_results`` (the engine then computes those blocks)."""
         for fut, store, run in self._loads:
             try:
-                fut.result()
-                self.counters[f"loaded_blocks:{store}"] += len(run)
-                self.counters[f"loaded_bytes:{store}"] += len(run) * self.layout.row_bytes
+                bad = fut.result()
+                self.counters[f"loaded_blocks:{store}"] += len(run) - len(bad)
+                self.counters[f"failed_blocks:{store}"] += len(bad)
+                self._failed += [run[i] for i in bad]
             except (OSError, ValueError, RuntimeError) as exc:
                 logger.warning("KV load of %d blocks from %s failed: %s", len(run), store, exc)
                 self.counters[f"failed_blocks:{store}"] += len(run)
@@ -206,10 +224,13 @@ class KVWorkerRunner:
         self._loads = []
 
     # --- called by the engine between steps (Worker.kv_connector_call) -------------------
-    def take_failed(self) -> list[tuple[str, Slot, int]]:
+    def take_load_results(self) -> tuple[list[tuple[str, Slot, int]], list[float]]:
+        """The loads' failures ((store, slot, block)) and latencies (seconds per group) since
+        the last call, once every load in flight has finished."""
         self.join_loads()
         failed, self._failed = self._failed, []
-        return failed
+        seconds, self.load_seconds = self.load_seconds, []
+        return failed, seconds
 
     def apply(self, ops: KVStepOps, caches: list[torch.Tensor]) -> None:
         """Run ``ops`` now, between steps (a producer's saves), and wait for the writes: a
@@ -225,8 +246,7 @@ class KVWorkerRunner:
         self.join_loads()
 
     def stats(self) -> dict[str, Any]:
-        samples = list(self.load_seconds)
-        return {"counters": dict(self.counters), "load_seconds": samples}
+        return {"counters": dict(self.counters), "row_bytes": self.layout.row_bytes}
 
     def close(self) -> None:
         try:
@@ -258,7 +278,8 @@ def worker_call(worker: Any, method: str, *args: Any) -> Any:
         if worker.kv_connector is not None:
             worker.kv_connector.close()
         worker.kv_connector = open_runner(worker, *args)
-        return worker.kv_connector.num_slots()
+        return {"slots": worker.kv_connector.num_slots(),
+                "row_bytes": worker.kv_connector.layout.row_bytes}
     runner = worker.kv_connector
     if runner is None:
         raise RuntimeError("no KV connector is open on this worker")

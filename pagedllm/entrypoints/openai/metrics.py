@@ -58,6 +58,7 @@ class ServerMetrics:
         # its value the time of the last update (made when the engine runs LoRA)
         self._lora_info: Any = None
         self._spec: _SpecDecodeMetrics | None = None  # made when the engine reports them
+        self._kv: _KVTransferMetrics | None = None  # KV offload tiers / connectors, likewise
         self._seen_preemptions = 0
         # request id -> output tokens of each choice so far
         self._tokens: dict[str, list[int]] = {}
@@ -88,6 +89,11 @@ class ServerMetrics:
             if self._spec is None:
                 self._spec = _SpecDecodeMetrics(self.registry, self._model_name)
             self._spec.update(spec)
+        kv = getattr(stats, "kv_transfer", None)
+        if kv is not None:
+            if self._kv is None:
+                self._kv = _KVTransferMetrics(self.registry, self._model_name)
+            self._kv.update(kv)
         for out in outputs:
             self._on_output(out)
 
@@ -172,3 +178,71 @@ class _SpecDecodeMetrics:
                 self._seen_pos[pos] = value
         self.rate.set(float(spec.get("acceptance_rate", 0.0)))
         self.mean_len.set(float(spec.get("mean_accepted_length", 0.0)))
+
+
+KV_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0)
+
+
+class _KVTransferMetrics:
+    """KV offload tiers and connectors (kv_transfer/engine.py stats), per tier ("device" for
+    the device prefix cache, "host", "disk", "shared"): prompt blocks looked up, blocks found
+    (hits), bytes loaded and saved, load failures, blocks resident and slots; the latency of
+    each load (store read + import into the device cache)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name", "tier"]
+        self._model = model_name
+
+        def counter(name: str, doc: str, by_tier: bool = True) -> Any:
+            return Counter(f"pagedllm:kv_tier_{name}", doc,
+                           labels if by_tier else ["model_name"], registry=registry)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:kv_tier_{name}", doc, labels, registry=registry)
+
+        self.queried = counter("queried_blocks", "Full prompt blocks looked up in the KV "
+                               "tiers (once per sequence).", by_tier=False).labels(model_name)
+        self.hits = counter("hit_blocks", "Prompt blocks found: in the device cache, or loaded "
+                            "from a tier.")
+        self.loaded = counter("loaded_bytes", "Bytes loaded from a tier into the device cache.")
+        self.saved = counter("saved_bytes", "Bytes saved into a tier.")
+        self.failed = counter("load_failures", "Blocks whose load failed (computed instead).")
+        self.resident = gauge("resident_blocks", "Blocks held by a tier.")
+        self.slots = gauge("capacity_blocks", "Blocks a tier can hold.")
+        self.latency = Histogram("pagedllm:kv_transfer_latency_seconds",
+                                 "Time of one load from a tier (read + import).", ["model_name"],
+                                 buckets=KV_LATENCY_BUCKETS,
+                                 registry=registry).labels(model_name)
+        self._seen: dict[str, float] = {}
+
+    def _inc(self, metric: Any, key: str, value: float, tier: str | None = None) -> None:
+        delta = value - self._seen.get(key, 0)
+        if delta > 0:
+            (metric.labels(self._model, tier) if tier is not None else metric).inc(delta)
+            self._seen[key] = value
+
+    def update(self, kv: dict[str, Any]) -> None:
+        counters, moved = kv.get("counters", {}), kv.get("bytes", {})
+        self._inc(self.queried, "queried", counters.get("queried", 0))
+        self._inc(self.hits, "device", counters.get("device", 0), "device")
+        for key, value in counters.items():
+            kind, _, tier = key.partition(":")
+            if kind == "loaded":
+                self._inc(self.hits, key, value, tier)
+            elif kind == "failed":
+                self._inc(self.failed, key, value, tier)
+        for key, value in moved.items():
+            kind, _, tier = key.partition(":")
+            metric = self.loaded if kind == "loaded" else self.saved
+            self._inc(metric, "bytes:" + key, value, tier)
+        for connector, tiers in kv.items():
+            if connector in ("counters", "bytes", "hit_rates", "load_seconds", "num_loads",
+                             "load_seconds_sum") or not isinstance(tiers, dict):
+                continue
+            for tier, t in tiers.items():
+                if isinstance(t, dict) and "resident" in t:
+                    self.resident.labels(self._model, tier).set(t["resident"])
+                    self.slots.labels(self._model, tier).set(t["slots"])
+        for seconds in kv.get("load_seconds", ()):
+            self.latency.observe(seconds)

@@ -1,0 +1,206 @@
+"""Disaggregated prefill with real processes on 127.0.0.1: a producer `pagedllm serve`, a
+consumer `pagedllm serve` (SharedStorageConnector over a folder) and `pagedllm proxy` between
+them, driven by the openai client. Outputs are a single engine's token for token; the consumer
+loads the producer's blocks (its Prometheus metrics count them, its log shows hit rates);
+killing the producer mid-run loses no request (the proxy counts the failed prefills)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm.entrypoints.openai.lifecycle import child_pids
+
+MAX_TOKENS = 8
+STARTUP_S = 300.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A `pagedllm ...` subprocess on a free port, its output in a log file."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = open(log, "wb")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv,
+                                      "--port", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready after {STARTUP_S} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL, the engine process included: a crash, nothing cleaned up."""
+        for pid in child_pids(self.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+def _serve(model: str, role: str, shared: Path, log: Path) -> Proc:
+    transfer = {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(shared)}}
+    return Proc(["serve", model, "--device", "cpu", "--dtype", "float32", "--block-size", "16",
+                 "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log",
+                 "--kv-transfer-config", json.dumps(transfer)], log)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from pagedllm.testing.checkpoints import make_checkpoint
+
+    return make_checkpoint(str(tmp_path_factory.mktemp("disagg-model")), "llama",
+                           max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    logs, shared = tmp_path_factory.mktemp("disagg-logs"), tmp_path_factory.mktemp("kv")
+    producer = _serve(model, "kv_producer", shared, logs / "producer.log")
+    consumer = _serve(model, "kv_consumer", shared, logs / "consumer.log")
+    procs = [producer, consumer]
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        proxy = Proc(["proxy", "--prefill", producer.url, "--decode", consumer.url],
+                     logs / "proxy.log")
+        procs.append(proxy)
+        proxy.wait_ready()
+        yield producer, consumer, proxy
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(3, 258) for _ in range(rng.randint(40, 100))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> dict[int, list[str]]:
+    """What one engine answers, for the prompts of each test (seed -> texts): the reference."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu", dtype="float32", block_size=16, num_gpu_blocks_override=128)
+    out = {}
+    for seed, n in ((1, 4), (2, 6)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(seed, n)],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        out[seed] = [o.outputs[0].text for o in outs]
+    llm.llm_engine.shutdown()
+    return out
+
+
+def _complete(url: str, prompt: list[int], stream: bool = False) -> str:
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        model = c.models.list().data[0].id
+        if not stream:
+            return c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                        temperature=0.0).choices[0].text
+        chunks = c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0.0, stream=True)
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+
+def _sample(metrics: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def test_proxy_outputs_equal_one_engine_with_transferred_kv(cluster, expected) -> None:
+    producer, consumer, proxy = cluster
+    prompts = _prompts(1, 4)
+    got = [_complete(proxy.url, p) for p in prompts[:3]] + [_complete(proxy.url, prompts[3],
+                                                                      stream=True)]
+    assert got == expected[1]
+    metrics = consumer.metrics()
+    loaded = _sample(metrics, "pagedllm:kv_tier_hit_blocks_total", tier="shared")
+    assert loaded == sum((len(p) - 1) // 16 for p in prompts), metrics[-3000:]
+    assert _sample(metrics, "pagedllm:kv_tier_loaded_bytes_total", tier="shared") > 0
+    assert _sample(metrics, "pagedllm:kv_transfer_latency_seconds_count") > 0
+    assert _sample(proxy.metrics(), "pagedllm:proxy_prefill_failures_total") == 0
+
+
+def test_killing_the_producer_loses_no_request(cluster, expected) -> None:
+    producer, consumer, proxy = cluster
+    prompts = _prompts(2, 6)
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = _complete(proxy.url, prompts[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads[:3]:
+        t.start()
+    time.sleep(0.3)
+    producer.kill()  # mid-run: some prefills done, some in flight, the rest find it gone
+    for t in threads[3:]:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert [got[i] for i in range(len(prompts))] == expected[2]
+    assert _sample(proxy.metrics(), "pagedllm:proxy_prefill_failures_total") >= 3
+    assert "prefill at" in proxy.logs() and "failed" in proxy.logs()
+    consumer.stop()  # its engine logs the hit rates as it shuts down
+    assert "KV prefix hits of" in consumer.logs()
