@@ -104,7 +104,7 @@ def add_structured_output_args(group: Any) -> None:
 
 def add_lora_args(group: Any) -> None:
     """LoRA adapters served by name (vLLM's flags; the engine's are --enable-lora etc.)."""
-    from pagedllm.entrypoints.openai.serving_lora import parse_lora_module
+    from pagedllm.entrypoints.openai.lora_modules import parse_lora_module
 
     group.add_argument("--lora-modules", nargs="+", default=None, type=parse_lora_module,
                        metavar="NAME=PATH",

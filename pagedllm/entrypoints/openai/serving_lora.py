@@ -10,9 +10,7 @@ server keeps serving) and only then answers to its name.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -20,39 +18,12 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncEngineBase
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.lora_modules import LoRAModulePath
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 RUNTIME_FLAG = "--allow-runtime-lora-updating (or PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)"
-
-
-@dataclass(frozen=True)
-class LoRAModulePath:
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_lora_module(value: str) -> LoRAModulePath:
-    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``
-    (argparse type of --lora-modules)."""
-    import argparse
-
-    text = value.strip()
-    if text.startswith("{"):
-        try:
-            spec = json.loads(text)
-            return LoRAModulePath(str(spec["name"]), str(spec["path"]),
-                                  spec.get("base_model_name"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise argparse.ArgumentTypeError(
-                f"--lora-modules {value!r}: JSON needs 'name' and 'path' ({exc})") from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules {value!r} is invalid: give "
-                                         "name=path (or JSON with name and path)")
-    return LoRAModulePath(name, path)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
