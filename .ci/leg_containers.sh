@@ -24,7 +24,7 @@ echo "containers: hadolint clean on $(ls docker/Dockerfile.* | wc -l) Dockerfile
 sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
 if ! command -v buildah > /dev/null || ! command -v mmdebstrap > /dev/null; then
   $sudo apt-get update -qq
-  $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap uidmap > /dev/null
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap uidmap > /dev/null
 fi
 
 if ! buildah inspect --type image "$BASE" > /dev/null 2>&1; then
