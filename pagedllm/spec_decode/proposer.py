@@ -137,7 +137,9 @@ class DraftModelProposer(DeviceProposer):
         self.hf_config = hf_config
         self.attn_cls = ctx.attn_cls
         heads = int(hf_config.num_attention_heads)
-        self.kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        # this rank's KV heads (tensor parallel: split, or one replicated head)
+        self.kv_heads = max(1, int(getattr(hf_config, "num_key_value_heads", None) or heads)
+                            // ctx.tp.size)
         self.head_size = int(getattr(hf_config, "head_dim", None)
                              or hf_config.hidden_size // heads)
         self._layers = int(hf_config.num_hidden_layers)
@@ -197,6 +199,7 @@ class EagleProposer(DeviceProposer):
         self.head = head
         self.target = target
         self.attn_cls = ctx.attn_cls
+        self.kv_heads = max(1, head.num_kv_heads // ctx.tp.size)  # this rank's
         # EAGLE-3: the residual stream entering these target layers, captured by hooks
         self.aux: dict[int, torch.Tensor] = {}
         self.aux_ids: tuple[int, ...] = ()
@@ -231,7 +234,7 @@ class EagleProposer(DeviceProposer):
         return self.head.num_layers
 
     def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return self.attn_cls.kv_cache_shape(num_blocks, self.block_size, self.head.num_kv_heads,
+        return self.attn_cls.kv_cache_shape(num_blocks, self.block_size, self.kv_heads,
                                             self.head.head_size)
 
     def begin_target_forward(self) -> None:

@@ -239,8 +239,8 @@ def test_refusals_name_the_field(llama_path: str, checkpoint_factory) -> None:
     with pytest.raises(ValueError, match="static_shapes"):
         check_speculative(config, SimpleNamespace(name="toy", capabilities=caps))
     caps.static_shapes = False
-    config.parallel.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+    config.parallel.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         check_speculative(config, SimpleNamespace(name="toy", capabilities=caps))
     with pytest.raises(ValueError, match="speculative_config.model is required"):
         LLM(llama_path, speculative_config={"method": "eagle", "num_speculative_tokens": 2},
