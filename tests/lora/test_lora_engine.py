@@ -183,3 +183,34 @@ def test_attention_only_adapter_and_stats(setup, tmp_path) -> None:
         assert [got["0"], got["1"]] == want
     finally:
         llm.shutdown()
+
+
+def test_logprobs_match_transformers_peft(setup) -> None:
+    """The logprob of each greedy token (and its top 3) equals PEFT's log-softmax (float32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, requests, reference = setup
+    req = requests["all8"]
+    p = lora_prompts()[1]
+    llm = _engine(base)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                logprobs=3)
+        out = llm.generate({"prompt_token_ids": p}, params, lora_request=req,
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert list(out.token_ids) == reference["all8"][1]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32), req.lora_path)
+    with torch.no_grad():
+        ids = torch.tensor([p + list(out.token_ids)])
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = lp[len(p) - 1 + i]
+        for t, value in entry.items():
+            got = value.logprob if hasattr(value, "logprob") else value
+            assert abs(got - float(row[t])) < 1e-4, (i, t, got, float(row[t]))
+        assert token in entry

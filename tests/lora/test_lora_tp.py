@@ -85,3 +85,19 @@ def test_tp2_engine_matches_transformers_peft(checkpoint_factory, tmp_path) -> N
         assert llm.llm_engine.remove_lora(1)
     finally:
         llm.shutdown()
+
+
+def test_pipeline_stages_route_their_own_layers(checkpoint_factory, tmp_path) -> None:
+    """With pipeline parallelism each stage's worker loads the pieces of its own layers only."""
+    from pagedllm.distributed.parallel_state import PPGroup
+
+    base = checkpoint_factory("llama", num_hidden_layers=4)
+    adapter = read_adapter(make_adapter(base, str(tmp_path / "pp"), r=4), 16)
+    hf_config = AutoConfig.from_pretrained(base)
+    seen = {}
+    for stage in range(2):
+        router = LoRARouter(hf_config, pp=PPGroup(rank=stage, size=2))
+        pieces = [p for m in adapter.modules.values() for p in router.route(m, False)]
+        seen[stage] = {int(p.module.split(".")[1]) for p in pieces}
+        assert all(p.module in router.linears for p in pieces)
+    assert seen == {0: {0, 1}, 1: {2, 3}}
