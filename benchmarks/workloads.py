@@ -27,6 +27,7 @@ the CPU affinity and thread count its process saw.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import math
@@ -222,12 +223,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     p.add_argument("--vllm-python", default=tp.os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON",
                                                               sys.executable))
+    p.add_argument("--before", type=Path,
+                   help="a source tree of an earlier pagedllm (e.g. `git worktree add /tmp/b "
+                        "COMMIT`): adds the engine 'pagedllm-before', run from that tree in the "
+                        "same run (the regression check of a refactor)")
     p.add_argument("--log-dir", type=Path)
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ["float32", "bfloat16"]
     args.workload = list(dict.fromkeys(args.workload or WORKLOADS))
     args.engine = list(dict.fromkeys(args.engine or ENGINES))
+    if args.before is not None:
+        if not (args.before / "pagedllm" / "__init__.py").is_file():
+            raise SystemExit(f"--before {args.before}: no pagedllm package in that folder")
+        args.engine.append("pagedllm-before")
     return args
 
 
@@ -253,9 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for engine in args.engine:
                 python = args.vllm_python if engine == "vllm" else sys.executable
+                env = tp.child_env(engine, args.kv_cache_gib)
+                if engine == "pagedllm-before":  # the earlier tree first on the path
+                    env["PYTHONPATH"] = os.pathsep.join([str(args.before.resolve()),
+                                                         env["PYTHONPATH"]])
+                backend = "pagedllm" if engine == "pagedllm-before" else engine
                 runs[engine].append(tp.run_child(f"{engine}-{dtype}", python,
-                                                 dict(spec, backend=engine), log_dir,
-                                                 tp.child_env(engine, args.kv_cache_gib)))
+                                                 dict(spec, backend=backend), log_dir, env))
         summary = summarize(runs, facts, peaks.get(dtype))
         part = report_lines(dtype, summary, facts) + [""]
         lines += part
