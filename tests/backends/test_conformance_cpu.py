@@ -1,5 +1,6 @@
 """The backend conformance suite (pagedllm.testing) run for the in-tree cpu backend, exactly as a
-vendor runs it for theirs: ``pytest --pyargs pagedllm.testing --device cpu``."""
+vendor runs it for theirs: ``pytest --pyargs pagedllm.testing --device cpu`` (the default,
+sampled sweep: docs/porting.md, "The declared space")."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,22 @@ def test_suite_passes_on_cpu(tmp_path) -> None:
     assert swept == {1, 2, 4, 8, 16, 32, 64, 128}  # every declared block size, not three
     figures = [c for c in data["checks"] if c["capability"] == "head sizes" and c["head_size"] == 80]
     assert figures and all(c["max_error"] is not None and c["nmse"] < 1e-3 for c in figures)
+    # the declared space (issue 41): the default sweep reached what it promises
+    assert data["sweep"]["mode"] == "pairs" and data["sweep"]["seed"] == 41
+    shape = data["coverage"]["test_sweep::test_attention_sweep"]["shape"]
+    assert max(shape["kv_heads"]) == 8 and max(shape["decodes"]) >= 67, shape
+    assert max(shape["max_block_id"]) > 65535 and max(shape["max_seq_len"]) > 16384, shape
+    assert max(shape["chunk_offsets"]) == 128 and max(shape["max_query"]) > 3 * 128, shape
+    assert set(shape["head_size"]) == {16, 32, 40, 64, 72, 80, 96, 112, 128, 192, 256}, shape
+    assert set(shape["kv_cache"]) >= {"float8_e4m3fn", "bfloat16", "float16", "float32"}, shape
+    ops = data["coverage"]["test_ops_sweep::test_fused_moe_sweep"]["shape"]
+    assert max(ops["experts"]) > 8 and 37 in ops["rows"], ops
+    observed = {c["capability"] for c in data["checks"] if c["area"] == "claims (observed)"
+                and c["status"] == "PASS"}
+    assert {"chunked_prefill", "prefix_caching", "swap", "sliding_window", "logits_soft_cap",
+            "kv cache fp8", "quantization fp8"} <= observed, observed
+    assert any(c["capability"] == "deterministic" and c["status"] == "PASS"
+               for c in data["checks"])
 
 
 def test_unavailable_device_stops_the_run_with_the_reason() -> None:
