@@ -120,8 +120,29 @@ def cpu_model(args: argparse.Namespace, preset: str, model: Path) -> list[str]:
     return lines
 
 
+def fits_on_device(config: Any, total_bytes: int, bytes_per_param: int = 2,
+                   headroom: float = 0.85) -> tuple[bool, str]:
+    """Whether ``config``'s weights fit in ``headroom`` of a card of ``total_bytes`` (the rest
+    is the KV cache, activations and HF's generate), and a sentence saying so."""
+    need = make_model.count_parameters(config) * bytes_per_param
+    gib = 1 << 30
+    text = (f"weights {need / gib:.1f} GiB; the card has {total_bytes / gib:.1f} GiB "
+            f"(at most {headroom:.0%} for weights)")
+    return need <= headroom * total_bytes, text
+
+
 def cuda_model(args: argparse.Namespace, preset: str, model: Path) -> list[str]:
-    """throughput.py (pagedllm vs HF, dummy weights on the GPU) + the HBM roofline."""
+    """throughput.py (pagedllm vs HF, dummy weights on the GPU) + the HBM roofline; a preset
+    whose weights cannot fit the card is skipped before anything loads, saying why."""
+    import torch
+
+    config = make_model.make_config(preset, "bfloat16")
+    total = torch.cuda.get_device_properties(0).total_memory
+    fits, text = fits_on_device(config, total)
+    card = torch.cuda.get_device_name(0)
+    logger.info("%s on %s: %s", preset, card, text)
+    if not fits:
+        return [f"- {preset}: skipped on {card}: {text} (needs a larger card, e.g. an H200)"]
     out_json = args.out_dir / f"{preset}-cuda.json"
     cmd = [sys.executable, str(BENCH_DIR / "throughput.py"), "--model", str(model),
            "--load-format", "dummy", "--dtype", "bfloat16", "--device", "cuda",
@@ -133,7 +154,6 @@ def cuda_model(args: argparse.Namespace, preset: str, model: Path) -> list[str]:
     for engine in args.engine:
         cmd += ["--backend", engine]
     code = run(cmd, args.out_dir / f"{preset}-cuda.log")
-    config = make_model.make_config(preset, "bfloat16")
     batch = min(args.num_prompts, args.max_num_seqs)
     lines = roofline_lines(config, sorted({1, batch}), args.hbm_tbps)
     if code != 0 or not out_json.is_file():

@@ -56,3 +56,15 @@ def test_moe_decode_reads_only_reached_experts() -> None:
     # a full batch reaches every expert: all weights but the embedding
     full = models_bench.decode_weight_bytes(config, 256)
     assert full / 2 == pytest.approx(46_702_792_704 - 32000 * 4096, rel=1e-6)
+
+
+def test_mixtral_shape_is_refused_before_loading_on_an_80gb_card() -> None:
+    """Issue 39: Mixtral-8x7B's 93 GB of bf16 weights cannot fit an H100 (80 GB) and the
+    benchmark says so up front; it fits an H200 (141 GB), as does Qwen3-8B on either."""
+    gb = 1000 ** 3
+    mixtral = make_model.make_config("mixtral-8x7b-shape", "bfloat16")
+    qwen = make_model.make_config("qwen3-8b-shape", "bfloat16")
+    fits, text = models_bench.fits_on_device(mixtral, 80 * gb)
+    assert not fits and "GiB" in text
+    assert models_bench.fits_on_device(mixtral, 141 * gb)[0]
+    assert models_bench.fits_on_device(qwen, 80 * gb)[0]
