@@ -4,12 +4,15 @@ then a producer + consumer + proxy against a single instance on the variable-len
 
     # cpu (the recorded run; 99M Llama bench99m, bf16, the disk tier on the local disk): the
     # defaults, 16 documents of 512 tokens, the device holds 2 (the 8 : 64), 32 requests
-    # of the variable workload; about 10 minutes on 2 Zen 1 cores (bf16 prefill ~165 tok/s)
+    # of the variable workload; 10-16 minutes on 2 busy Zen 1 cores (bf16 prefill ~165 tok/s)
     python benchmarks/kv_offload.py --dtype bfloat16
     # the sizes: 64 documents of ~4k tokens, 4 questions each, the device holds 8
+    # (two calls, each under 10 minutes: the offload configurations, then single vs disagg)
     python benchmarks/make_model.py /tmp/l3 --preset llama3-8b-shape
     python benchmarks/kv_offload.py --device cuda --model /tmp/l3 --docs 64 --doc-tokens 4096 \\
-        --device-docs 8 --disagg-requests 128
+        --device-docs 8 --disagg-requests 0
+    python benchmarks/kv_offload.py --device cuda --model /tmp/l3 --config single \\
+        --config disagg --disagg-requests 128
 
 Offload workload: ``--docs`` documents of ``--doc-tokens`` random token ids, each asked
 ``--questions`` questions (``--question-tokens`` ids of its own after the document), every
@@ -151,8 +154,12 @@ def offload_specs(args: argparse.Namespace, config: dict[str, Any], prompts: lis
                   warm: list[list[int]]) -> dict[str, dict[str, Any]]:
     request_len = args.doc_tokens + args.question_tokens + args.output_tokens
     per_request = math.ceil(request_len / BLOCK_SIZE)
-    # every block the run creates, twice over: the tiers never have to drop one
-    tier_blocks = 2 * per_request * (len(prompts) + len(warm))
+    # every distinct block the run creates (each document once, each request's question and
+    # output blocks), a quarter more: the tiers never have to drop one
+    docs = args.docs + len(warm) // 2
+    own = math.ceil((args.question_tokens + args.output_tokens) / BLOCK_SIZE) + 1
+    tier_blocks = math.ceil(1.25 * (docs * math.ceil(args.doc_tokens / BLOCK_SIZE)
+                                    + (len(prompts) + len(warm)) * own))
     tier_gib = tier_blocks * block_row_bytes(config, args.dtype) / (1 << 30)
     disk_dir = args.disk_dir or (Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache"
                                                     / "pagedllm" / "bench")) / "kv-offload-disk")
@@ -206,7 +213,8 @@ def offload_table(results: dict[str, dict[str, Any]], tokens: int) -> tuple[list
         rate = n / r["elapsed_s"]
         speed = lower = same = ""
         if "ttft_s" in ref:
-            lower = f"{pct(ref['ttft_s'], 0.5) * 1e3 / p50:.2f}x lower"
+            lower = f"{pct(ref['ttft_s'], 0.5) * 1e3 / p50:.2f}x"
+            lower += " lower" if name != "recompute" else ""
             speed = f"{ref['elapsed_s'] / r['elapsed_s']:.2f}x"
             agree = sum(a == b for a, b in zip(r["token_ids"], ref["token_ids"]))
             same = f"{agree}/{n}"
