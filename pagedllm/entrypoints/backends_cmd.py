@@ -36,6 +36,10 @@ FLAG_HELP: dict[str, str] = {
     "pipeline_parallel": "runs pipeline stages (activations sent between ranks)",
     "multi_token_decode": "attends several new tokens per decoding sequence in one step "
                           "(speculative decoding's verification needs it)",
+    "lora": "runs LoRA adapters through the lora_shrink/lora_expand ops (checked: the ops against "
+            "the reference over ranks and slots, and mixed-adapter engine output)",
+    "kv_export": "exports/imports KV blocks to host staging buffers, bit-exact (checked: round "
+                 "trips per layout, block size and KV dtype); KV offload and connectors need it",
     "deterministic": "the same step twice gives the same bits (checked: attention steps, ops "
                      "and engine rounds compared bit for bit)",
 }

@@ -30,10 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill (kv_producer) instance's base URL; repeat for several "
-                        "(round robin)")
+                        "(round robin) (required, no default)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode (kv_consumer) instance's base URL; repeat for several "
-                        "(round robin)")
+                        "(round robin) (required, no default)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                                                        "127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")

@@ -13,8 +13,10 @@ import sys
 for name in {SERVER_ONLY!r}:
     sys.modules[name] = None  # importing it raises ImportError
 from pagedllm.entrypoints.cli import make_parser
+from pagedllm.entrypoints.openai.cli_args import validate_args
 parser = make_parser()
 args = parser.parse_args(["serve", "m", "--lora-modules", "a=/x", "--enable-lora"])
+validate_args(args, parser)
 assert args.lora_modules[0].name == "a" and args.lora_modules[0].path == "/x", args
 print("ok")
 """

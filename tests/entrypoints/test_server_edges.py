@@ -47,15 +47,37 @@ def test_model_after_served_model_name_is_served(model: str, tmp_path: Path) -> 
 
 
 def test_every_nargs_flag_is_known() -> None:
-    """The only variadic flag of serve and generate is --served-model-name, which the test above
-    covers; a new one must be handled the same way (and added here)."""
+    """The variadic flags of serve are --served-model-name (the test above) and --lora-modules
+    (test_model_after_lora_modules_is_served); a new one must be handled the same way (and added
+    here)."""
     from pagedllm.entrypoints.cli import make_parser
 
     sub = next(a for a in make_parser()._actions if a.dest == "command")
     variadic = {name: sorted(s for a in sub.choices[name]._actions if a.option_strings
                              and a.nargs in ("+", "*") for s in a.option_strings)
                 for name in ("serve", "generate", "bench")}
-    assert variadic == {"serve": ["--served-model-name"], "generate": [], "bench": []}
+    assert variadic == {"serve": ["--lora-modules", "--served-model-name"], "generate": [],
+                        "bench": []}
+
+
+def test_model_after_lora_modules_is_served(model: str) -> None:
+    """`serve --enable-lora --lora-modules a=/x MODEL`: the list gives MODEL back; a bad entry is
+    a usage error naming the flag."""
+    import argparse
+
+    from pagedllm.entrypoints.cli import make_parser
+    from pagedllm.entrypoints.openai.cli_args import validate_args
+
+    parser = make_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    args = parser.parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x", "b=/y", model])
+    validate_args(args, sub)
+    assert args.model == model
+    assert [(m.name, m.path) for m in args.lora_modules] == [("a", "/x"), ("b", "/y")]
+    args = parser.parse_args(["serve", model, "--enable-lora", "--lora-modules", "nonsense"])
+    with pytest.raises(SystemExit):
+        validate_args(args, sub)
+    assert isinstance(sub, argparse.ArgumentParser)
 
 
 def test_health_head_and_ping_without_a_key(server: CliServer) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.engine.arg_utils import DEMO_MODEL, AsyncEngineArgs, EngineArgs
+from pagedllm.entrypoints.openai.lora_modules import parse_lora_module
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +105,8 @@ def add_structured_output_args(group: Any) -> None:
 
 def add_lora_args(group: Any) -> None:
     """LoRA adapters served by name (vLLM's flags; the engine's are --enable-lora etc.)."""
-    from pagedllm.entrypoints.openai.lora_modules import parse_lora_module
-
-    group.add_argument("--lora-modules", nargs="+", default=None, type=parse_lora_module,
-                       metavar="NAME=PATH",
+    # parsed by validate_args (parse_lora_module), after a MODEL the list took is given back
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) served by name: the OpenAI model field "
                             "selects one; name=path or JSON with name, path, base_model_name; "
                             "needs --enable-lora (default: none)")
@@ -136,6 +135,12 @@ def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         args.model_tag = names.pop()
         logger.info("MODEL %r came after --served-model-name; serving it as %s", args.model_tag,
                     names)
+    mods = getattr(args, "lora_modules", None)
+    if (not args.model_tag and not args.model and mods and len(mods) > 1
+            and _is_path(mods[-1]) and "=" not in mods[-1]):
+        # `serve --lora-modules a=/x /path/ckpt`: nargs="+" took the positional MODEL too
+        args.model_tag = mods.pop()
+        logger.info("MODEL %r came after --lora-modules", args.model_tag)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     return args.model_tag or args.model or DEMO_MODEL
@@ -157,6 +162,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--api-key is empty; give a key or leave the flag out")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    try:
+        args.lora_modules = [parse_lora_module(v) if isinstance(v, str) else v
+                             for v in args.lora_modules or []]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (one of hermes, "
                      "llama3_json, mistral)")
