@@ -33,6 +33,22 @@ def run(path: str, max_tokens: int = MAX_TOKENS, device: str = "cpu", **kwargs
         llm.llm_engine.shutdown()
 
 
+def worker_facts(path: str, device: str = "cpu") -> tuple[dict, list]:
+    """What the worker holds while the engine runs (a shut-down engine has released its model
+    and caches), and the engine's outputs."""
+    llm = LLM(path, device=device, dtype="float32", kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        worker = llm.llm_engine.executor.worker
+        impls = [layer.self_attn.attn.impl for layer in worker.model.layers]
+        facts = dict(cache_dtype=worker.kv_caches[0].dtype, attn=worker.attn_cls.name,
+                     scales=[(im.k_scale, im.v_scale) for im in impls])
+        return facts, [o.outputs[0] for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def assert_close_teacher_forced(path: str, outs: list) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -50,20 +66,18 @@ def test_close_to_transformers(path: str) -> None:
     """Teacher-forced on pagedllm's tokens, transformers' float32 logprobs of those tokens are
     within 0.05, and each token is transformers' argmax or within 0.05 of it (a near tie that
     fp8 rounding may flip; greedy runs then part ways, so token lists are not compared)."""
-    llm, outs = run(path)
-    worker = llm.llm_engine.executor.worker
-    assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
-    assert worker.attn_cls.name == "torch"
+    facts, outs = worker_facts(path)
+    assert facts["cache_dtype"] == torch.float8_e4m3fn
+    assert facts["attn"] == "torch"
     assert_close_teacher_forced(path, outs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_close_to_transformers_on_cuda(path: str) -> None:
     """The same on the cuda backend: its torch attention reads the e4m3 cache (eager)."""
-    llm, outs = run(path, device="cuda")
-    worker = llm.llm_engine.executor.worker
-    assert worker.kv_caches[0].dtype == torch.float8_e4m3fn
-    assert worker.attn_cls.name == "torch"
+    facts, outs = worker_facts(path, device="cuda")
+    assert facts["cache_dtype"] == torch.float8_e4m3fn
+    assert facts["attn"] == "torch"
     assert_close_teacher_forced(path, outs)
 
 
@@ -85,9 +99,8 @@ def test_checkpoint_kv_scales(path: str, tmp_path) -> None:
         state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25)
         state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5 + i)
     save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    llm, outs = run(dst)
-    impls = [layer.self_attn.attn.impl for layer in llm.llm_engine.executor.worker.model.layers]
-    assert [(im.k_scale, im.v_scale) for im in impls] == [(0.25, 0.5 + i) for i in range(layers)]
+    facts, outs = worker_facts(dst)
+    assert facts["scales"] == [(0.25, 0.5 + i) for i in range(layers)]
     assert_close_teacher_forced(path, outs)
 
 
