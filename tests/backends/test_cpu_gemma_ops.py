@@ -105,8 +105,10 @@ def test_gelu_tanh_and_mul_half_within_an_ulp(ops, tokens: int, inter: int,
     assert got.is_contiguous() and got.dtype == dtype
     ulp = torch.finfo(dtype).eps  # one rounding step relative to the value, twice (gate, product)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-4)
-    same = (_bits(got) == _bits(want)).float().mean().item()
-    assert same > 0.9, same
+    differ = int((_bits(got) != _bits(want)).sum())
+    # most values the reference's bits (two may differ in the 16 of the smallest case: the AVX2
+    # build's tanh polynomial rounds a gate the other way more often than AVX-512's)
+    assert differ <= max(2, got.numel() // 10), (differ, got.numel())
     # a wrong gate (SiLU's, or a missing 0.5) is far outside that
     wrong = (F.silu(x[:, :inter].float()).to(dtype) * x[:, inter:]).float()
     assert not torch.allclose(got.float(), wrong, rtol=2 * ulp, atol=1e-4)
