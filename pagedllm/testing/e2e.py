@@ -46,9 +46,13 @@ def blocks_needed(block_size: int) -> int:
 
 def hf_greedy(path: str, ps: list[list[int]]) -> list[list[int]]:
     """Hugging Face transformers' greedy continuation of each prompt (float32, CPU)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    kwargs: dict = {}
+    if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None):
+        # transformers 4.x's SDPA path leaves the attention soft cap out (Gemma 2); eager has it
+        kwargs["attn_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     # transformers 5 applies the checkpoint's generation_config eos even when the passed config
     # says None; the engine runs with ignore_eos
     model.generation_config.eos_token_id = None

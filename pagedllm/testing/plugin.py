@@ -218,9 +218,9 @@ def _parametrize_space(metafunc: pytest.Metafunc) -> None:
         from pagedllm.testing.sweep import FEATURE, KV_CACHE_DTYPE
 
         # the chosen implementation's own: a case it would skip is not worth a slot
-        features = tuple(f for f in features if _chosen_attention_supports(cls, FEATURE + f))
+        features = tuple(f for f in features if chosen_attention_supports(cls, FEATURE + f))
         kv = tuple(k for k in kv if k == "auto" or
-                   _chosen_attention_supports(cls, KV_CACHE_DTYPE + k))
+                   chosen_attention_supports(cls, KV_CACHE_DTYPE + k))
     name = metafunc.function.__name__
     space = metafunc.module.SPACES[name](caps, features, kv)
     choice = metafunc.config.stash[_SWEEP]
@@ -368,7 +368,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"backend {device_name(item.config)!r} {NOT_DECLARED}"
                         f"{capability_label(need)}")
         choice = envs.PAGEDLLM_ATTENTION_BACKEND
-        if choice and not _chosen_attention_supports(cls, need):
+        if choice and not chosen_attention_supports(cls, need):
             cov.missing[item.nodeid] = need
             pytest.skip(f"backend {device_name(item.config)!r} with attention {choice!r} "
                         f"{NOT_DECLARED}{capability_label(need)}")
@@ -382,7 +382,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                     "each of its declared parameter values")
 
 
-def _chosen_attention_supports(cls: type[Backend], need: str) -> bool:
+def chosen_attention_supports(cls: type[Backend], need: str) -> bool:
     """With an explicit --attention-backend, a backend-wide feature or KV-cache dtype counts
     only where that implementation takes it: its ``supported_features``, and an
     ``attention_cls`` that does not refuse the KV-cache dtype."""

@@ -26,8 +26,15 @@ NUM_LAYERS = 3
 NUM_BLOCKS = 24
 
 
-def _kv_dtypes(caps: object) -> list[str]:
-    return list(dict.fromkeys(getattr(caps, "kv_cache_dtypes", None) or ("auto",)))
+def _kv_dtypes(backend: Backend) -> list[str]:
+    """The declared KV-cache dtypes the run's attention takes (an explicit --attention-backend
+    may refuse one the backend declares, e.g. the cpu backend's ipex attention and fp8)."""
+    from pagedllm.testing.plugin import chosen_attention_supports
+    from pagedllm.testing.sweep import KV_CACHE_DTYPE
+
+    declared = getattr(backend.capabilities, "kv_cache_dtypes", None) or ("auto",)
+    return [kv for kv in dict.fromkeys(declared)
+            if kv == "auto" or chosen_attention_supports(type(backend), KV_CACHE_DTYPE + kv)]
 
 
 def _pool(backend: Backend, dtype: str, kv: str, bs: int, device: torch.device,
@@ -59,7 +66,7 @@ def test_export_import_round_trip(conformance_backend: Backend, conformance_dtyp
                                   conformance_device: torch.device) -> None:
     b, bs, dev = conformance_backend, conformance_sweep_block_size, conformance_device
     ops = b.cache_ops()
-    for kv in _kv_dtypes(b.capabilities):
+    for kv in _kv_dtypes(b):
         rng = torch.Generator().manual_seed(bs * 7 + len(kv))
         caches, cdt = _pool(b, conformance_dtype, kv, bs, dev, rng)
         assert ops.block_nbytes(caches[0]) == reference.block_nbytes(caches[0])
