@@ -83,7 +83,15 @@ def test_attention_step_twice_is_bitwise_equal(conformance_backend: Backend,
 @pytest.mark.capability("deterministic")
 def test_ops_twice_are_bitwise_equal(conformance_backend: Backend, conformance_dtype: str,
                                      conformance_device: torch.device) -> None:
-    """Each registered op called twice on the same inputs (at 37 rows and real widths)."""
+    """Each registered op called twice on the same inputs (at 37 rows and real widths). The
+    inputs are made under inference_mode too, as the engine's are (XLA refuses in-place updates
+    of ordinary tensors there)."""
+    with torch.inference_mode():
+        _ops_twice(conformance_backend, conformance_dtype, conformance_device)
+
+
+def _ops_twice(conformance_backend: Backend, conformance_dtype: str,
+               conformance_device: torch.device) -> None:
     dt, dev = torch_dtype(conformance_dtype), conformance_device
     rng = torch.Generator().manual_seed(41)
     ops = backend_ops(conformance_backend)
@@ -109,10 +117,9 @@ def test_ops_twice_are_bitwise_equal(conformance_backend: Backend, conformance_d
         "greedy_logprobs": lambda: torch.cat([t.double() for t in ops.greedy_logprobs(logits)]),
         "fused_moe": lambda: ops.fused_moe(*moe, 4, True),
     }
-    with torch.inference_mode():
-        for name, call in calls.items():
-            a, b = call(), call()
-            assert _same_bits(a, b), f"{name}: two calls on the same inputs gave different bits"
+    for name, call in calls.items():
+        a, b = call(), call()
+        assert _same_bits(a, b), f"{name}: two calls on the same inputs gave different bits"
     note(ops=sorted(calls))
 
 
@@ -124,7 +131,14 @@ def test_cache_ops_and_steps_keep_memory_flat(conformance_backend: Backend,
     declared) after a warm-up, twice: the second batch of rounds may not hold more memory than
     the first did. A sampled run (the ``values`` sweep, for slow backends) takes a fifth of the
     rounds of a smaller step: live tensors are still counted exactly, host RSS only sees larger
-    leaks."""
+    leaks. Everything is made under inference_mode, as the engine's caches are."""
+    with torch.inference_mode():
+        _memory_rounds(conformance_backend, conformance_caps, conformance_device,
+                       conformance_sweep_mode)
+
+
+def _memory_rounds(conformance_backend: Backend, conformance_caps: Capabilities,
+                   conformance_device: torch.device, conformance_sweep_mode: str) -> None:
     caps, dev, b = conformance_caps, conformance_device, conformance_backend
     sampled = conformance_sweep_mode == "values"
     rounds = ROUNDS // 5 if sampled else ROUNDS
@@ -157,16 +171,15 @@ def test_cache_ops_and_steps_keep_memory_flat(conformance_backend: Backend,
             ops.swap_blocks(host, caches, in_pairs)
         b.synchronize()
 
-    with torch.inference_mode():
-        for _ in range(3):
-            round_()
-        first = Snapshot.take(dev)
-        for _ in range(rounds):
-            round_()
-        middle = Snapshot.take(dev)
-        for _ in range(rounds):
-            round_()
-        last = Snapshot.take(dev)
+    for _ in range(3):
+        round_()
+    first = Snapshot.take(dev)
+    for _ in range(rounds):
+        round_()
+    middle = Snapshot.take(dev)
+    for _ in range(rounds):
+        round_()
+    last = Snapshot.take(dev)
     assert_flat(first, middle, f"{rounds} rounds after the warm-up", rss_slack=64 << 20)
     growth = assert_flat(middle, last, f"{rounds} more rounds")
     note(rounds=2 * rounds, tokens_per_step=batch.query.shape[0], swap=caps.swap,
