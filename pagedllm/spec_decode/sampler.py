@@ -154,14 +154,18 @@ class VerifySampler:
         or None when every row drafted deterministically."""
         if all(v.draft_probs is None for v in verify):
             return None
-        q = torch.zeros((len(verify), k, vocab), device=device)
+        # rows' distributions all on the host: assembled there and moved once (one transfer,
+        # not one device op per row: a lazy device such as XLA would trace thousands)
+        host = all(v.draft_probs is None or v.draft_probs.device.type == "cpu" for v in verify)
+        build = torch.device("cpu") if host else device
+        q = torch.zeros((len(verify), k, vocab), device=build)
         for j, v in enumerate(verify):
             n = len(v.drafts)
             if v.draft_probs is not None:
                 q[j, :n] = v.draft_probs[:n]
             elif n:
-                q[j, torch.arange(n, device=device), to_device(v.drafts, device, torch.int64)] = 1
-        return q
+                q[j, torch.arange(n, device=build), to_device(v.drafts, build, torch.int64)] = 1
+        return q.to(device)
 
     @staticmethod
     def _top_logprobs(lp: torch.Tensor, verify: list[VerifyRow]

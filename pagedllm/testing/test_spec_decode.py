@@ -170,7 +170,7 @@ def verify_many(backend: Backend, device: torch.device, drafts: list[list[int]],
     logits = TARGET.to(device)
     rows = []
     for i, d in enumerate(drafts):
-        probs = None if draft_probs is None else draft_probs[i:i + 1].to(device)
+        probs = None if draft_probs is None else draft_probs[i:i + 1]  # host rows: one copy
         rows.append(VerifyRow(SampleRow(params, 1, seq_index=0, output_len=3, history=None,
                                         prompt_len=4), d, probs))
     out = sampler(logits.repeat(len(drafts), 1), rows)
