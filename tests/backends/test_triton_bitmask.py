@@ -2,21 +2,15 @@
 bit, on CPU through Triton's interpreter when no GPU is present."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import triton_device
+
+DEVICE = triton_device()  # before a kernel module imports triton
 
 from pagedllm.backends.cuda.triton_bitmask import BLOCK, apply_token_bitmask  # noqa: E402
 from pagedllm.models.layers.ops import apply_token_bitmask as reference  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 1000), (2, BLOCK + 33), (5, 3 * BLOCK)])

@@ -3,21 +3,15 @@ replaces, bit for bit; on CPU through Triton's interpreter when no GPU is presen
 rounding to e4m3, which the interpreter gets wrong (the GPU run checks the codes)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import triton_device
+
+DEVICE = triton_device()  # before a kernel module imports triton
 
 from pagedllm.backends.cuda.quant_ops import torch_fp8_rows  # noqa: E402
 from pagedllm.backends.cuda.triton_fp8 import BLOCK, fp8_rows  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 16), (5, 1000), (3, 2 * BLOCK + 7)])

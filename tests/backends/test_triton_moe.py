@@ -3,21 +3,15 @@ Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) when no
 on a CUDA machine with the compiled kernel. Skipped without triton."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import triton_device
+
+DEVICE = triton_device()  # before a kernel module imports triton
 
 from pagedllm.backends.cuda.triton_moe import align_by_expert, fused_moe  # noqa: E402
 from pagedllm.models.layers import moe_ops  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 def _case(tokens: int, experts: int, hidden: int, inter: int, seed: int,

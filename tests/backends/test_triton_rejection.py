@@ -4,21 +4,15 @@ rows, masked tokens. Runs through Triton's interpreter on CPU (TRITON_INTERPRET=
 is present; skipped without triton."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import triton_device
+
+DEVICE = triton_device()  # before a kernel module imports triton
 
 from pagedllm.backends.cuda.triton_rejection import rejection_sample  # noqa: E402
 from pagedllm.reference.rejection import rejection_sample as reference  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 def _inputs(b: int, k: int, vocab: int, seed: int, greedy: bool, probs: bool):  # noqa: ANN202

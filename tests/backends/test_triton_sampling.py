@@ -5,21 +5,15 @@ when no GPU is present; on a CUDA machine it runs the compiled kernels. Skipped 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import triton_device
+
+DEVICE = triton_device()  # before a kernel module imports triton
 
 from pagedllm.backends.cuda import triton_sampling  # noqa: E402
 from pagedllm.backends.cuda.triton_sampling import BLOCK, greedy_logprobs, split_plan  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 ATOL = 1e-5
 
