@@ -21,6 +21,12 @@
 #                                            # quant-fp8: one of the two)
 #   bash benchmarks/h200_run.sh guided       # issue 33: JSON schema on every request vs none,
 #                                            # demo model bf16, 256 x 64 tokens, + cold-schema TTFT
+#   bash benchmarks/h200_run.sh draft        # issue 43: train the demo model's draft and EAGLE-3
+#                                            # head (tools/train_draft_model.py, ~3 min) into $OUT
+#   bash benchmarks/h200_run.sh spec         # issue 43: verification step (k=4) vs decode step,
+#                                            # batch 1 and 64, + n-gram tokens vs none on cuda
+#   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
+#   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute, 64 docs x 4k tokens
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # Several stages in one device call, with a deadline and a summary: benchmarks/gpu_batch.sh.
@@ -118,6 +124,32 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
   guided)
     timeout 280 python benchmarks/guided.py --device cuda --dtype bfloat16 --num-prompts 256 \
       --repeats 3 2>&1 | tee "$OUT/guided.log" | tail -6
+    ;;
+  draft)
+    env_report
+    python tools/train_draft_model.py --corpus .carry/stdlib-3.11.7.jsonl.gz \
+      --out-draft "$OUT/draft" --out-eagle "$OUT/eagle" "${@:2}" 2>&1 | tee "$OUT/draft.log" \
+      | grep -v "step " | tail -20
+    ;;
+  spec)
+    timeout 150 python benchmarks/spec_decode.py --step-cost --device cuda --batch 1 --batch 64 \
+      --output-json "$OUT/spec_step_cost.json" "${@:2}" 2>&1 | tee "$OUT/spec_step.log" | tail -6
+    # greedy tokens with n-gram speculation equal to those without, on the GPU (pagedllm only)
+    timeout 200 python benchmarks/spec_decode.py --device cuda --engine pagedllm --method none \
+      --method ngram --batch 1 --batch 8 --waves 2 --output-json "$OUT/spec_cuda.json" 2>&1 \
+      | grep -v "^20" | tee "$OUT/spec_cuda.log" | tail -8
+    ;;
+  lora)
+    model
+    timeout 280 python benchmarks/lora.py --device cuda --model "$MODEL" --num-prompts 256 \
+      --engine pagedllm --dtype bfloat16 --config base --config 8 --kv-cache-gib 20 \
+      --output-json "$OUT/lora.json" "${@:2}" 2>&1 | tee "$OUT/lora.log" | tail -8
+    ;;
+  kvoff)
+    model
+    timeout 290 python benchmarks/kv_offload.py --device cuda --model "$MODEL" --docs 64 \
+      --doc-tokens 4096 --device-docs 8 --disagg-requests 0 --config recompute --config host \
+      --output-json "$OUT/kv_offload.json" "${@:2}" 2>&1 | tee "$OUT/kv_offload.log" | tail -10
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

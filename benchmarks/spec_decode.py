@@ -93,7 +93,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         import pagedllm
         from pagedllm import LLM, SamplingParams
 
-        llm = LLM(str(DEMO), device="cpu", **kwargs)
+        llm = LLM(str(DEMO), device=spec.get("device", "cpu"), **kwargs)
         version = pagedllm.__version__
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     need = max(b * (args.waves or (8 if b == 1 else 4 if b <= 8 else 2)) for b in batches)
     prompts = heldout_prompts(need + max(batches), args.prompt_len, 0, args.stdlib)
     spec = {"prompts": prompts[:need], "warmup": prompts[need:], "output_len": args.output_len,
-            "batches": batches, "dtype": args.dtype, "waves": waves}
+            "batches": batches, "dtype": args.dtype, "waves": waves,
+            "device": "cpu" if args.device == "auto" else args.device}
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     # one process per (engine, method, batch), interleaved (batch, then method, then engine) so
