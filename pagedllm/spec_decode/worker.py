@@ -18,7 +18,7 @@ from pagedllm.models.layers.linear import LayerContext
 from pagedllm.spec_decode.proposer import DeviceProposer, MirrorSeq
 from pagedllm.spec_decode.sampler import VerifyRow, VerifySampler
 from pagedllm.worker.host_copy import to_device
-from pagedllm.worker.model_runner import ModelRunner, build_metadata, prompt_logprobs
+from pagedllm.worker.model_runner import ModelRunner, prompt_logprobs
 from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.sampler import SampleRow
 
@@ -43,11 +43,6 @@ class SpecRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:
         runner, seqs = self.runner, batch.seqs
-        device = runner.device
-        ids, positions, meta = build_metadata(seqs, runner.block_size, device)
-        # verification chunks lie among the prefill rows (multi-token chunks come first)
-        meta.extras["verify_prefills"] = frozenset(
-            i for i, s in enumerate(seqs[:meta.num_prefills]) if s.num_spec_tokens)
         rows: list[int] = []  # hidden-state rows needing logits
         plain: list[tuple[int, int, SampleRow]] = []  # (batch index, logits row, row)
         verify: list[tuple[int, int, VerifyRow]] = []  # (batch index, first logits row, row)
@@ -73,10 +68,13 @@ class SpecRunner:
                 rows.extend(range(offsets[i], offsets[i] + n))
         if self.proposer is not None and hasattr(self.proposer, "begin_target_forward"):
             self.proposer.begin_target_forward()
-        model = runner.model
-        hidden = model(to_device(ids, device, torch.int64), to_device(positions, device, torch.int64),
-                       kv_caches, meta)
-        logits = model.compute_logits(hidden[to_device(rows, device, torch.int64)])
+        # verification chunks are multi-token chunks, so they lie among the prefills, which
+        # come first: their batch indices are their prefill indices
+        verify_prefills = frozenset(i for i, s in enumerate(seqs)
+                                    if s.num_spec_tokens and s.num_tokens > 1)
+        hidden, logits = runner.forward_rows(seqs, rows, kv_caches,
+                                             {"verify_prefills": verify_prefills})
+        device = logits.device  # where the runner's sampler works (the host, on tpu)
         outputs = [SeqOutput(s.seq_id, []) for s in seqs]
         if plain:
             bitmask = None

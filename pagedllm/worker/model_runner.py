@@ -165,6 +165,21 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.metadata)
         return self.model.compute_logits(hidden[inp.logit_rows])
 
+    def forward_rows(self, seqs: list[ScheduledSeq], rows: list[int],
+                     kv_caches: list[torch.Tensor], extras: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs ``seqs`` (multi-token chunks first) with logits for the caller's hidden-state
+        ``rows`` (speculative decoding verifies k + 1 rows of a sequence); ``extras`` join the
+        attention metadata's. Returns (hidden states [>= num tokens, hidden] on the device,
+        logits [len(rows), vocab] float32 on ``self.sampler``'s device). A static-shape
+        runner overrides this to pad the step to its buckets (rows past the real tokens are
+        padding)."""
+        ids, positions, meta = build_metadata(seqs, self.block_size, self.device)
+        meta.extras.update(extras or {})
+        hidden = self.model(to_device(ids, self.device, torch.int64),
+                            to_device(positions, self.device, torch.int64), kv_caches, meta)
+        return hidden, self.model.compute_logits(hidden[to_device(rows, self.device, torch.int64)])
+
     def sample(self, batch: ScheduledBatch, inp: ModelInput, logits: torch.Tensor) -> list[SeqOutput]:
         return self.sample_async(batch, inp, logits).result()
 

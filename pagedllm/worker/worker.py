@@ -36,6 +36,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class Worker:
+    # a static-shape backend's worker sets this where its runner's forward_rows pads
+    # speculative decoding's verification steps to its buckets (engine/speculative.py asks)
+    pads_verification_steps = False
+
     def __init__(self, config: EngineConfig, backend: Backend, rank: int = 0,
                  tp: TPGroup | None = None, pp: PPGroup | None = None) -> None:
         self.config = config

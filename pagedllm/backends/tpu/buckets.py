@@ -59,19 +59,21 @@ class BucketGrid:
 
     @classmethod
     def from_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                    block_size: int, bucket_width: bool = True) -> BucketGrid:
+                    block_size: int, bucket_width: bool = True,
+                    rows_per_seq: int = 1) -> BucketGrid:
         """The grid for a scheduler that sends at most ``max_num_batched_tokens`` tokens and
-        ``max_num_seqs`` sequences per step, each at most ``max_model_len`` tokens long.
+        ``max_num_seqs`` sequences per step, each at most ``max_model_len`` tokens long and
+        sampled at up to ``rows_per_seq`` rows (speculative decoding verifies 1 + k).
         ``bucket_width=False``: one width, the full block table."""
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("block_size", block_size)):
+                            ("block_size", block_size), ("rows_per_seq", rows_per_seq)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 to build static-shape buckets")
         max_width = -(-max_model_len // block_size)
         min_width = min(max(1, MIN_WIDTH_TOKENS // block_size), next_power_of_two(max_width))
         widths = powers_of_two(min_width if bucket_width else max_width, max_width)
-        max_rows = min(max_num_seqs, max_num_batched_tokens)
+        max_rows = min(max_num_seqs * rows_per_seq, max_num_batched_tokens)
         return cls(token_buckets=tuple(powers_of_two(MIN_TOKENS, max(max_num_batched_tokens,
                                                                      MIN_TOKENS))),
                    row_buckets=tuple(powers_of_two(min(MIN_ROWS, next_power_of_two(max_rows)),

@@ -19,7 +19,7 @@ from torch import nn
 from pagedllm.backends.tpu.attention import XlaPagedAttention
 from pagedllm.backends.tpu.buckets import BucketGrid, StepShape, next_power_of_two
 from pagedllm.backends.tpu.layout import SeqRows
-from pagedllm.core.batch import ScheduledBatch
+from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
 from pagedllm.worker.model_runner import ModelInput, ModelRunner, build_metadata, select_logit_rows
 from pagedllm.worker.sampler import Sampler
 
@@ -92,11 +92,33 @@ class TpuModelRunner(ModelRunner):
 
     def forward(self, inp: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Logits of the real logit rows, [rows, vocab] float32, on the host."""
+        real = len(inp.sample_rows) + sum(n for _, n, _ in inp.prompt_rows)
+        return self._run_programs(inp, kv_caches, real)[1]
+
+    def forward_rows(self, seqs: list[ScheduledSeq], rows: list[int],
+                     kv_caches: list[torch.Tensor], extras: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with the caller's logit rows (speculative decoding: k + 1 rows per verified
+        sequence), padded like any other: its rows take a row bucket (the grid's row buckets
+        cover max_num_seqs * (1 + k) rows when speculating), its tokens and block-table width
+        their buckets. (hidden [bucket tokens, hidden] on the device, logits [len(rows),
+        vocab] float32 on the host, where the sampler and the rejection sampler run.)"""
+        seq_rows = SeqRows([s.num_tokens for s in seqs], [s.seq_len for s in seqs],
+                           [s.block_table for s in seqs])
+        shape = self.grid.shape_for(seq_rows.num_tokens, len(rows),
+                                    seq_rows.blocks_needed(self.block_size))
+        inp = self.padded_input(seqs, seq_rows, rows, shape)
+        # host-side values only (read while tracing): the traced graph stays the bucket's
+        inp.metadata.extras.update(extras or {})
+        return self._run_programs(inp, kv_caches, len(rows))
+
+    def _run_programs(self, inp: ModelInput, kv_caches: list[torch.Tensor], real: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.run_model_program(inp, kv_caches)
         logits = self.run_head_program(hidden, inp.logit_rows)
         self.shapes_run.add(inp.metadata.extras["bucket"])
-        real = len(inp.sample_rows) + sum(n for _, n, _ in inp.prompt_rows)
-        return logits.cpu()[:real]  # slice on the host: an XLA slice would be one more program
+        # slice on the host: an XLA slice would be one more program
+        return hidden, logits.cpu()[:real]
 
     @torch.inference_mode()
     def warm_up(self, kv_caches: list[torch.Tensor]) -> float:

@@ -24,6 +24,7 @@ CPU_DEFAULT_KV_CACHE_GIB = 0.25
 class TpuWorker(Worker):
     runner: TpuModelRunner | None
     cache_ops: XlaCacheOps
+    pads_verification_steps = True  # TpuModelRunner.forward_rows
 
     def select_device(self) -> torch.device:
         import torch_xla
@@ -32,12 +33,15 @@ class TpuWorker(Worker):
 
     def bucket_grid(self) -> BucketGrid:
         """Width buckets on the gather path, whose cost grows with the table width; the TPU
-        kernel reads only a sequence's own pages, so there the table has one (full) width."""
-        sched = self.config.scheduler
+        kernel reads only a sequence's own pages, so there the table has one (full) width.
+        Speculative decoding samples 1 + k rows of a verified sequence: row buckets for them."""
+        sched, spec = self.config.scheduler, self.config.speculative_config
         return BucketGrid.from_limits(sched.max_num_batched_tokens, sched.max_num_seqs,
                                       self.config.model.max_model_len,
                                       self.config.cache.block_size,
-                                      bucket_width=not on_tpu(self.device))
+                                      bucket_width=not on_tpu(self.device),
+                                      rows_per_seq=1 + (spec.num_speculative_tokens
+                                                        if spec is not None else 0))
 
     def load_model(self) -> None:
         import torch_xla
