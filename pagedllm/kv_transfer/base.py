@@ -111,3 +111,6 @@ class KVConnector(ABC):
     def check_idle(self) -> list[str]:
         """Broken invariants at idle (no request, no load in flight); [] when all hold."""
         return []
+
+    def close(self) -> None:
+        """The engine shuts down: release connections and threads (default: nothing)."""

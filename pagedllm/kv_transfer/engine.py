@@ -143,3 +143,5 @@ class KVTransferEngine:
             self.executor.kv_connector_call("close")
         except Exception as exc:  # the workers may be gone already
             logger.debug("closing KV connectors: %s", exc)
+        for connector in self.connectors:
+            connector.close()

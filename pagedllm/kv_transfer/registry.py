@@ -17,6 +17,9 @@ BUILTIN_CONNECTORS = {
     "OffloadingConnector": "pagedllm.kv_offload.manager:OffloadingConnector",
     # between engine processes on one host, through files in shared memory or a folder
     "SharedStorageConnector": "pagedllm.kv_transfer.shared_storage:SharedStorageConnector",
+    # between two engine processes (one host or two) through torch.distributed: gloo + TCPStore
+    "P2pConnector": "pagedllm.kv_transfer.p2p:P2pConnector",
+    "PyNcclConnector": "pagedllm.kv_transfer.p2p:P2pConnector",  # vLLM's name for it
 }
 
 

@@ -105,7 +105,8 @@ def test_transfer_config_parsing_and_names(tmp_path) -> None:
                                        "kv_connector_extra_config": {"cpu_bytes": 1}}
                    )._kv_configs()
     with pytest.raises(ValueError, match="'Nope' is not a known KV connector; known: "
-                                         "OffloadingConnector, SharedStorageConnector"):
+                                         "OffloadingConnector, SharedStorageConnector, "
+                                         "P2pConnector, PyNcclConnector"):
         registry.resolve_connector("Nope")
 
 
