@@ -1,5 +1,6 @@
 """Disaggregated prefill with real processes on 127.0.0.1: a producer `pagedllm serve`, a
-consumer `pagedllm serve` (SharedStorageConnector over a folder) and `pagedllm proxy` between
+consumer `pagedllm serve` (SharedStorageConnector over a folder, or P2pConnector over
+torch.distributed) and `pagedllm proxy` between
 them, driven by the openai client. Outputs are a single engine's token for token; the consumer
 loads the producer's blocks (its Prometheus metrics count them, its log shows hit rates);
 killing the producer mid-run loses no request (the proxy counts the failed prefills)."""
@@ -83,9 +84,24 @@ class Proc:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
-def _serve(model: str, role: str, shared: Path, log: Path) -> Proc:
-    transfer = {"kv_connector": "SharedStorageConnector", "kv_role": role,
-                "kv_connector_extra_config": {"shared_storage_path": str(shared)}}
+# connector -> (the tier its loads are counted under, its kv_transfer_config but the role)
+CONNECTORS = {
+    "SharedStorageConnector": ("shared", lambda shared, port: {
+        "kv_connector_extra_config": {"shared_storage_path": str(shared)}}),
+    "P2pConnector": ("p2p", lambda shared, port: {
+        "kv_parallel_size": 2, "kv_port": port, "kv_buffer_size": 1e7,
+        "kv_connector_extra_config": {"retry_s": 0.5}}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONNECTORS))
+def connector(request) -> str:
+    return request.param
+
+
+def _serve(model: str, role: str, connector: str, shared: Path, port: int, log: Path) -> Proc:
+    transfer = {"kv_connector": connector, "kv_role": role,
+                **CONNECTORS[connector][1](shared, port)}
     return Proc(["serve", model, "--device", "cpu", "--dtype", "float32", "--block-size", "16",
                  "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log",
                  "--kv-transfer-config", json.dumps(transfer)], log)
@@ -100,10 +116,11 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
+def cluster(model, connector, tmp_path_factory):
     logs, shared = tmp_path_factory.mktemp("disagg-logs"), tmp_path_factory.mktemp("kv")
-    producer = _serve(model, "kv_producer", shared, logs / "producer.log")
-    consumer = _serve(model, "kv_consumer", shared, logs / "consumer.log")
+    port = _free_port()
+    producer = _serve(model, "kv_producer", connector, shared, port, logs / "producer.log")
+    consumer = _serve(model, "kv_consumer", connector, shared, port, logs / "consumer.log")
     procs = [producer, consumer]
     try:
         producer.wait_ready()
@@ -163,16 +180,18 @@ def _sample(metrics: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_proxy_outputs_equal_one_engine_with_transferred_kv(cluster, expected) -> None:
+def test_proxy_outputs_equal_one_engine_with_transferred_kv(cluster, connector,
+                                                            expected) -> None:
     producer, consumer, proxy = cluster
+    tier = CONNECTORS[connector][0]
     prompts = _prompts(1, 4)
     got = [_complete(proxy.url, p) for p in prompts[:3]] + [_complete(proxy.url, prompts[3],
                                                                       stream=True)]
     assert got == expected[1]
     metrics = consumer.metrics()
-    loaded = _sample(metrics, "pagedllm:kv_tier_hit_blocks_total", tier="shared")
+    loaded = _sample(metrics, "pagedllm:kv_tier_hit_blocks_total", tier=tier)
     assert loaded == sum((len(p) - 1) // 16 for p in prompts), metrics[-3000:]
-    assert _sample(metrics, "pagedllm:kv_tier_loaded_bytes_total", tier="shared") > 0
+    assert _sample(metrics, "pagedllm:kv_tier_loaded_bytes_total", tier=tier) > 0
     assert _sample(metrics, "pagedllm:kv_transfer_latency_seconds_count") > 0
     assert _sample(proxy.metrics(), "pagedllm:proxy_prefill_failures_total") == 0
 
