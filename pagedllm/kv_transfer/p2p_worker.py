@@ -2,20 +2,22 @@
 
 Per tensor-parallel rank r, under the TCPStore prefix ``pagedllm-p2p/r{r}``:
   row_bytes      the producer's staging row (one block of every layer), checked on connect
+  ctl            "host:port" of the producer's control socket
   k/<key hex>    the directory: a key the producer's buffer holds
-  reqs, req/<i>  requests, numbered by the consumer (``add``), taken in order by the producer's
-                 server thread: b"J" + gen (join the 2-rank gloo group ``g<gen>``) or
-                 b"R" + gen + n 16-byte keys (send the rows of those keys)
-  gens           the consumer's group generations: a failed transfer abandons its group (gloo
-                 closes a pair that timed out), the next read joins a new one
-Answers go over the group, producer rank 0 to consumer rank 1: uint8 [n] found flags (tag 1),
-then uint8 [n, row_bytes] rows, zero where not found (tag 2), received in place into the
-staging rows. The control path never blocks on gloo, so a producer's server thread only waits
-on the store (in ``POLL_S`` slices, to notice close) and on sends to a consumer that asked.
+  gens           the consumer's group generations; ``g<gen>/...`` the gloo rendezvous
+The consumer connects to the control socket and sends frames (4-byte length, then HEADER and
+a body): b"J" + gen (join the 2-rank gloo group ``g<gen>``, built over the store), or b"R" +
+gen + n 16-byte keys (send their rows). The producer answers a request over the group, rank 0
+to rank 1: uint8 [n] found flags (tag 1), then uint8 [n, row_bytes] rows, zero where not
+found (tag 2), which the consumer receives in place into its staging rows. A failed transfer
+drops the group and the connection (gloo closes a pair that timed out); the next read
+connects again with a new generation. The producer's server thread waits in ``select`` (a
+closed consumer is seen at once; close is noticed within ``POLL_S``), never in gloo.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -35,8 +37,23 @@ from pagedllm.kv_transfer.worker_side import BlockStore, CacheLayout, KVConnecto
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # the producer's server thread checks for close this often
-STALE_POLLS = 25  # a request number taken but never written is skipped after this many polls
 HEADER = struct.Struct("<cq")  # kind, group generation
+LENGTH = struct.Struct("<I")  # a frame's length
+
+
+def _send_frame(sock: socket.socket, kind: bytes, gen: int, body: bytes = b"") -> None:
+    data = HEADER.pack(kind, gen) + body
+    sock.sendall(LENGTH.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the KV consumer closed the connection")
+        buf += chunk
+    return bytes(buf)
 
 
 def _gloo_group(store: Any, rank: int, hostname: str, timeout_s: float) -> ProcessGroupGloo:
@@ -75,12 +92,14 @@ class P2pProducerStore(BlockStore):
         try:  # rank 0 hosts the store on kv_port (every interface); other ranks join it
             self._dir = TCPStore(settings["ip"], settings["port"], None, self.rank == 0,
                                  timeout, wait_for_workers=False)
-            self._ctl = TCPStore(settings["ip"], settings["port"], None, False, timeout)
-        except RuntimeError as exc:
+            self._listener = socket.create_server((settings["ip"], 0))
+        except (OSError, RuntimeError) as exc:
             raise ValueError(f"kv_transfer_config.kv_port={settings['port']}: the P2pConnector "
                              f"producer cannot serve on {self.where} ({exc}); choose a free "
                              "port (and kv_ip an address of this host)") from None
-        self._dir.set(f"{self.ns}/row_bytes", str(self.row_bytes))
+        host, port = self._listener.getsockname()[:2]
+        self._dir.multi_set([f"{self.ns}/row_bytes", f"{self.ns}/ctl"],
+                            [str(self.row_bytes), f"{host}:{port}"])
         self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> uint8 [row_bytes]
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
@@ -115,40 +134,39 @@ class P2pProducerStore(BlockStore):
 
     # --- the server thread --------------------------------------------------------------
     def _serve(self) -> None:
-        group, gen, i, stale = None, 0, 1, 0
+        conn: socket.socket | None = None
+        group, gen = None, 0
         while not self._closed.is_set():
-            name = f"{self.ns}/req/{i}"
+            waiting = [self._listener] + ([conn] if conn is not None else [])
             try:
-                self._ctl.wait([name], timedelta(seconds=POLL_S))
-            except RuntimeError:  # nothing yet (or the store is closing)
-                try:
-                    stale = stale + 1 if self._ctl.add(f"{self.ns}/reqs", 0) > i else 0
-                except RuntimeError:
-                    stale = 0
-                if stale > STALE_POLLS:  # its consumer died between numbering and writing
-                    i, stale = i + 1, 0
-                continue
-            try:
-                payload = self._ctl.get(name)
-                self._ctl.delete_key(name)
-            except RuntimeError as exc:
-                logger.warning("P2pConnector: reading request %d failed: %s", i, exc)
-                continue
-            i, stale = i + 1, 0
-            kind, their_gen = HEADER.unpack_from(payload)
-            try:
+                ready = select.select(waiting, [], [], POLL_S)[0]
+                if self._listener in ready:  # a (re)connected consumer replaces the last one
+                    if conn is not None:
+                        conn.close()
+                    conn, group = self._listener.accept()[0], None
+                    conn.settimeout(self.settings["timeout_s"])
+                    continue
+                if conn is None or conn not in ready:
+                    continue
+                frame = _recv_exact(conn, LENGTH.unpack(_recv_exact(conn, LENGTH.size))[0])
+                kind, their_gen = HEADER.unpack_from(frame)
                 if kind == b"J":
                     group = None  # dropped before the next one is built
-                    group = _gloo_group(PrefixStore(f"{self.ns}/g{their_gen}", self._ctl), 0,
+                    group = _gloo_group(PrefixStore(f"{self.ns}/g{their_gen}", self._dir), 0,
                                         self.settings["ip"], self.settings["timeout_s"])
                     gen = their_gen
                     self.counters["joins"] += 1
                 elif kind == b"R" and group is not None and their_gen == gen:
-                    self._answer(group, payload[HEADER.size:])
-            except RuntimeError as exc:  # the consumer went away or timed out: wait for it
-                logger.warning("P2pConnector: serving the KV consumer failed: %s", exc)
-                group = None
-                self.counters["failed"] += 1
+                    self._answer(group, frame[HEADER.size:])
+            except (OSError, RuntimeError) as exc:  # the consumer went away or timed out
+                if conn is not None and not isinstance(exc, ConnectionError):
+                    logger.warning("P2pConnector: serving the KV consumer failed: %s", exc)
+                    self.counters["failed"] += 1
+                if conn is not None:
+                    conn.close()
+                conn = group = None
+        if conn is not None:
+            conn.close()
 
     def _answer(self, group: ProcessGroupGloo, blob: bytes) -> None:
         keys = [blob[j:j + KEY_BYTES] for j in range(0, len(blob), KEY_BYTES)]
@@ -164,9 +182,10 @@ class P2pProducerStore(BlockStore):
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=self.settings["timeout_s"] + 2 * POLL_S)
+        self._listener.close()
         with self._lock:
             self._rows.clear()
-        self._ctl = self._dir = None  # the last reference to the server: the port is freed
+        self._dir = None  # the last reference to the store's server: kv_port is free again
 
 
 class P2pConsumerStore(BlockStore):
@@ -181,6 +200,7 @@ class P2pConsumerStore(BlockStore):
         self.where = f"{settings['ip']}:{settings['port']}"
         self.timeout = timedelta(seconds=settings["timeout_s"])
         self._client: Any = None
+        self._conn: socket.socket | None = None
         self._group: ProcessGroupGloo | None = None
         self._gen = 0
         self._down_until = 0.0  # reads fail at once until then (a transfer just failed)
@@ -188,25 +208,22 @@ class P2pConsumerStore(BlockStore):
     def write(self, slots: list[Slot], rows: torch.Tensor) -> None:
         raise ValueError("a P2pConnector kv_consumer does not save blocks")
 
-    def _request(self, kind: bytes, body: bytes = b"") -> None:
-        i = self._client.add(f"{self.ns}/reqs", 1)
-        self._client.set(f"{self.ns}/req/{i}", HEADER.pack(kind, self._gen) + body)
-
     def _connect(self) -> None:
         s = self.settings
-        if self._client is None:
-            self._client = open_client(s["ip"], s["port"], s["timeout_s"])
-            theirs = int(self._client.get(f"{self.ns}/row_bytes"))
-            if theirs != self.row_bytes:
-                self._client = None
-                raise RuntimeError(f"the producer's blocks are {theirs} bytes, this engine's "
-                                   f"{self.row_bytes}: run the same model, dtypes and "
-                                   "block size on both")
-        if self._group is None:
-            self._gen = self._client.add(f"{self.ns}/gens", 1)
-            self._request(b"J")
-            self._group = _gloo_group(PrefixStore(f"{self.ns}/g{self._gen}", self._client), 1,
-                                      _local_address(s["ip"], s["port"]), s["timeout_s"])
+        if self._group is not None:
+            return
+        self._client = open_client(s["ip"], s["port"], s["timeout_s"])
+        theirs, ctl = self._client.multi_get([f"{self.ns}/row_bytes", f"{self.ns}/ctl"])
+        if int(theirs) != self.row_bytes:
+            raise RuntimeError(f"the producer's blocks are {int(theirs)} bytes, this engine's "
+                               f"{self.row_bytes}: run the same model, dtypes and block size "
+                               "on both")
+        host, _, port = ctl.decode().rpartition(":")
+        self._conn = socket.create_connection((host, int(port)), timeout=s["timeout_s"])
+        self._gen = self._client.add(f"{self.ns}/gens", 1)
+        _send_frame(self._conn, b"J", self._gen)
+        self._group = _gloo_group(PrefixStore(f"{self.ns}/g{self._gen}", self._client), 1,
+                                  _local_address(s["ip"], s["port"]), s["timeout_s"])
 
     def read(self, slots: list[Slot], out: torch.Tensor) -> None:
         n = len(slots)
@@ -217,13 +234,14 @@ class P2pConsumerStore(BlockStore):
         rows = out.view(n, self.row_bytes)  # received in place
         try:
             self._connect()
-            self._request(b"R", b"".join(slots))
+            assert self._conn is not None and self._group is not None
+            _send_frame(self._conn, b"R", self._gen, b"".join(slots))
             got_status = self._group.recv([status], 0, 1)
             got_rows = self._group.recv([rows], 0, 2)
             got_status.wait(self.timeout)
             got_rows.wait(self.timeout)
         except (OSError, RuntimeError) as exc:
-            self._client = self._group = None
+            self.close()
             self._down_until = time.monotonic() + self.settings["retry_s"]
             raise RuntimeError(f"P2pConnector: transfer of {n} blocks from the KV producer at "
                                f"{self.where} failed: {exc}") from None
@@ -233,7 +251,9 @@ class P2pConsumerStore(BlockStore):
                              f"{n} blocks asked for")
 
     def close(self) -> None:
-        self._client = self._group = None
+        if self._conn is not None:
+            self._conn.close()
+        self._client = self._conn = self._group = None
 
 
 class P2pWorker(KVConnectorWorker):
