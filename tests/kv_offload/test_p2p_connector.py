@@ -203,6 +203,50 @@ def test_engine_refuses_bad_config_and_busy_port(llama_path) -> None:
         _engine(llama_path, {**_transfer("kv_producer", _free_port()), "kv_buffer_size": 100})
 
 
+def test_producer_buffer_drops_the_oldest_save_and_unlists_it() -> None:
+    """The worker stores in this process: a buffer of 2 blocks holds the last 2 saves (the
+    scheduler side mirrors it and sends each key once); a dropped key leaves the directory,
+    and a read of it fails naming the producer, while the others arrive bit for bit."""
+    import torch
+
+    from pagedllm.kv_transfer.base import KVStepOps
+    from pagedllm.kv_transfer.config import KVTransferConfig
+    from pagedllm.kv_transfer.p2p import Directory, P2pConnector
+    from pagedllm.kv_transfer.p2p_worker import P2pConsumerStore, P2pProducerStore
+    from pagedllm.kv_transfer.worker_side import CacheLayout
+
+    layout, port = CacheLayout(num_layers=2, block_nbytes=64), _free_port()
+    specs = {role: _settings(kv_role=role, kv_port=port, kv_buffer_size=2 * 128 + 5)
+             for role in ("kv_producer", "kv_consumer")}
+    cfg = KVTransferConfig(**_transfer("kv_producer", port))
+    mirror = P2pConnector(SimpleNamespace(kv_transfer_config=cfg), {"p2p": 2})
+    keys, ops = [bytes([i]) * 16 for i in range(3)], KVStepOps()
+    for block, key in enumerate(keys + keys[2:]):
+        mirror.on_computed(block, key, ops)
+    assert [op[3] for op in ops.stores] == keys  # once each
+    assert mirror.stats()["p2p"]["resident"] == 2 and mirror.stats()["p2p"]["slots"] == 2
+
+    producer = P2pProducerStore(specs["kv_producer"], layout)
+    consumer = P2pConsumerStore(specs["kv_consumer"], layout)
+    directory = Directory(specs["kv_consumer"], 1)
+    try:
+        assert producer.num_slots == 2
+        rows = torch.randint(0, 256, (3, 2, 64), dtype=torch.uint8)
+        producer.write(keys[:2], rows[:2])
+        producer.write(keys[2:], rows[2:])  # drops keys[0]
+        assert [directory.holds(k) for k in keys] == [False, True, True]
+        out = torch.zeros(2, 2, 64, dtype=torch.uint8)
+        consumer.read(keys[1:], out)
+        assert torch.equal(out, rows[1:])
+        with pytest.raises(ValueError, match=f"producer at 127.0.0.1:{port} no longer holds "
+                                             "1 of 2 blocks"):
+            consumer.read(keys[:2], out)
+    finally:
+        directory.close()
+        consumer.close()
+        producer.close()
+
+
 def _serve_as_producer(args: dict) -> None:
     llm = _engine(args["path"], _transfer("kv_producer", args["port"]))
     _greedy(llm, args["prompts"], max_tokens=1)  # the prefill instance: one token each
