@@ -11,6 +11,7 @@ else, by the prefix cache's content keys. vLLM's shape:
   scheduler_side.py  KVConnectorManager: what the scheduler and block manager call (no torch)
   worker_side.py     the worker's half: runs a step's block moves through the cache ops
   shared_storage.py  the built-in transfer connector between engine processes on one host
+  p2p.py             the built-in transfer connector over torch.distributed (one host or two)
   registry.py        connectors by name: built-ins + entry-point group "pagedllm.kv_connectors"
   engine.py          the engine's hooks: start-up, after each step, stats
 
