@@ -8,7 +8,9 @@
 #   - the conformance suite with --device tpu (bucketing test included: static_shapes), and
 #   - tests/backends/test_tpu.py: XLA scatter/copy behaviour, the gather attention against
 #     torch_xla's ragged_paged_attention(use_kernel=False), Hugging Face greedy equality for
-#     llama/qwen2/mistral/opt in four engine modes, and "no XLA compilation after warm-up".
+#     llama/qwen2/mistral/opt in four engine modes, and "no XLA compilation after warm-up";
+#   - tests/backends/test_tpu_spec.py: n-gram speculation's greedy output equals transformers'
+#     with drafts accepted, and its verification steps compile nothing after warm-up.
 # XLA_FLAGS=--xla_backend_optimization_level=0 makes host compiles ~3x faster (CPU codegen only).
 # Env: PAGEDLLM_TPU_VENV (venv path override), PAGEDLLM_CI_CACHE, PYTHON.
 set -euo pipefail
@@ -40,5 +42,6 @@ grep -q "^tpu .* available" <<< "$TABLE" || {
 # --conformance-sweep values: the swept checks take every value of each dimension once
 # (a few cases a check; the default covering array would compile a program per combination)
 "$VPY" -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin --durations=10 \
-  --conformance-sweep values --pyargs pagedllm.testing tests/backends/test_tpu.py --device tpu \
+  --conformance-sweep values --pyargs pagedllm.testing tests/backends/test_tpu.py \
+  tests/backends/test_tpu_spec.py --device tpu \
   ${PAGEDLLM_CI_REPORTS:+--conformance-report "$PAGEDLLM_CI_REPORTS/tpu.json"}
