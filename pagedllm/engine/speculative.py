@@ -42,10 +42,11 @@ def demo_proposer_path(method: str, target: str) -> str | None:
     return os.path.join(DEMO_DIR, DEMO_PROPOSERS[method])
 
 
-def check_static_shapes(backend: Any) -> None:
+def check_static_shapes(spec: SpeculativeConfig, backend: Any) -> None:
     """A static-shape backend (capabilities.static_shapes) speculates only where its worker
     pads verification steps to its buckets (``Worker.pads_verification_steps``: its model
-    runner's ``forward_rows`` does)."""
+    runner's ``forward_rows`` does), and only with the n-gram proposer: a draft model or EAGLE
+    head runs its own steps unpadded (``DeviceProposer._forward``), a new program each step."""
     worker = backend.worker_cls()
     if not getattr(worker, "pads_verification_steps", False):
         raise ValueError(
@@ -53,6 +54,12 @@ def check_static_shapes(backend: Any) -> None:
             f"static shapes (capabilities.static_shapes) and its worker {worker.__name__} "
             "does not pad verification steps to its buckets (Worker.pads_verification_steps, "
             "ModelRunner.forward_rows)")
+    if spec.method != "ngram":
+        raise ValueError(
+            f"speculative_config.method={spec.method!r} (a draft model or EAGLE head) is not "
+            f"supported by the {backend.name} backend yet: the proposer's steps "
+            "(DeviceProposer._forward) are not padded to the static-shape buckets "
+            "(capabilities.static_shapes); allowed there: 'ngram'")
 
 
 def check_speculative(config: EngineConfig, backend: Any) -> None:
@@ -68,11 +75,7 @@ def check_speculative(config: EngineConfig, backend: Any) -> None:
             "needs attention over decode sequences with more than one query token "
             "(Capabilities.multi_token_decode), which it does not declare")
     if backend.capabilities.static_shapes:
-        check_static_shapes(backend)
-    pp = config.parallel.pipeline_parallel_size
-    if pp != 1:
-        raise ValueError(f"speculative_config with pipeline_parallel_size={pp} is not "
-                         "supported yet; use pipeline_parallel_size=1 (tensor parallelism works)")
+        check_static_shapes(spec, backend)
     if spec.method == "ngram":
         return
     if spec.model is None:
@@ -90,12 +93,6 @@ def check_speculative(config: EngineConfig, backend: Any) -> None:
     if not os.path.isdir(spec.model):
         raise ValueError(f"speculative_config.model={spec.model!r} is not a local folder")
     spec.method = resolve_method(spec)
-    if backend.capabilities.static_shapes:
-        raise ValueError(
-            f"speculative_config.method={spec.method!r} is not supported by the {backend.name} "
-            "backend yet: the draft model's or EAGLE head's own steps "
-            "(DeviceProposer._forward) are not padded to its static-shape buckets "
-            "(capabilities.static_shapes); allowed there: 'ngram'")
     check_draft_config(spec, config)
 
 
@@ -116,7 +113,14 @@ class SpeculativeDecoding:
         logger.info("speculative decoding: %s", self.spec.describe())
 
     def make_stepper(self, schedulers: list, executor: Any, guided: Any) -> Any:
+        """The speculative stepper; with pipeline stages (a scheduler per virtual engine) its
+        pipelined form, several verification batches in flight."""
         from pagedllm.engine.steppers.speculative import SpecStepper
 
-        return SpecStepper(schedulers, executor, guided, speculative_config=self.spec,
-                           max_model_len=self.config.model.max_model_len)
+        cls = SpecStepper
+        if len(schedulers) > 1:
+            from pagedllm.engine.steppers.spec_pipelined import PipelinedSpecStepper
+
+            cls = PipelinedSpecStepper
+        return cls(schedulers, executor, guided, speculative_config=self.spec,
+                   max_model_len=self.config.model.max_model_len)

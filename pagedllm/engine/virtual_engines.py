@@ -41,18 +41,22 @@ class VirtualEngines:
     def forget(self, request_id: str) -> None:
         self._engine_of.pop(request_id, None)
 
-    def fill(self, launch: Callable[[SchedulerOutput], PendingOutputs]) -> None:
+    def fill(self, launch: Callable[[SchedulerOutput], PendingOutputs],
+             before: Callable[[int], None] | None = None) -> None:
         """Every idle virtual engine with requests schedules its next batch and ``launch``es it,
-        while fewer than ``max_in_flight`` batches are in flight."""
+        while fewer than ``max_in_flight`` batches are in flight. ``before(ve)`` runs right
+        before engine ``ve`` schedules (speculative decoding sets its drafts there)."""
         busy = {ve for ve, _, _ in self.in_flight}
-        n = len(self.schedulers)
-        for k in range(n):
+        n, first = len(self.schedulers), self._next
+        for k in range(n):  # each engine at most once (one batch in flight per engine)
             if len(self.in_flight) >= self.max_in_flight:
                 return
-            ve = (self._next + k) % n
+            ve = (first + k) % n
             scheduler = self.schedulers[ve]
             if ve in busy or not scheduler.has_unfinished():
                 continue
+            if before is not None:
+                before(ve)
             sched = scheduler.schedule()
             sched.batch.virtual_engine = ve
             pending = None if sched.batch.is_empty() else launch(sched)

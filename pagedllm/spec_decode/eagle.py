@@ -58,6 +58,84 @@ def is_eagle_checkpoint(path: str) -> bool:
     return "eagle" in archs or "eagle" in str(config.get("model_type", "")).lower()
 
 
+def eagle3_aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers (of all ``num_target_layers``) whose input residual stream an EAGLE-3
+    head with config ``config`` reads: ``eagle_aux_hidden_state_layer_ids``, else (2, L // 2,
+    L - 3); () when its ``use_aux_hidden_state`` is off."""
+    eagle = getattr(config, "eagle_config", None) or {}
+    if not eagle.get("use_aux_hidden_state", True):
+        return ()
+    if eagle.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(eagle["eagle_aux_hidden_state_layer_ids"])
+    n = num_target_layers
+    return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+
+class AuxHiddenStates:
+    """EAGLE-3's inputs from the target: the residual stream entering target layers
+    ``layer_ids`` (indices among all its layers), each [num_tokens, H_target].
+
+    The stream entering layer i is layer i - 1's output hidden + residual (layer 0's input is
+    the embedding); forward hooks capture it on the layers this pipeline stage owns. With
+    pipeline stages the states made on earlier stages arrive with the intermediate tensors
+    (under ``key(i)``) and each stage passes on what it has, so the last stage holds them all.
+    """
+
+    def __init__(self, target: nn.Module, layer_ids: Iterable[int]) -> None:
+        self.layer_ids = tuple(layer_ids)
+        layers = target.layers
+        start = getattr(target, "start_layer", 0)
+        end = getattr(target, "end_layer", len(layers))
+        self.states: dict[int, torch.Tensor] = {}
+        self.received: list[int] = []  # made on earlier stages
+        self.made_here: list[int] = []
+        self._hooks: list[Any] = []
+        for i in sorted(set(self.layer_ids)):
+            if not 0 <= i < len(layers):
+                raise ValueError(f"the EAGLE-3 head reads target layer {i}, but the target has "
+                                 f"{len(layers)} layers (eagle_aux_hidden_state_layer_ids)")
+            maker = max(i - 1, 0)  # the layer that makes it (0: its input, the embedding)
+            if maker < start:
+                self.received.append(i)
+            elif maker < end:
+                self.made_here.append(i)
+                self._hooks.append(self._hook(layers, i))
+
+    @staticmethod
+    def key(i: int) -> str:
+        """The name of layer ``i``'s state among a stage's intermediate tensors."""
+        return f"eagle_aux_{i}"
+
+    def _hook(self, layers: Any, i: int) -> Any:
+        if i == 0:
+            def pre(module: nn.Module, args: tuple) -> None:
+                self.states[0] = args[2]  # (positions, cos_sin, hidden, residual, ...)
+            return layers[0].register_forward_pre_hook(pre)
+
+        def post(module: nn.Module, args: tuple, out: tuple) -> None:
+            hidden, residual = out
+            self.states[i] = hidden + residual
+        return layers[i - 1].register_forward_hook(post)
+
+    def begin(self, intermediate: dict[str, torch.Tensor] | None = None) -> None:
+        """Before the target's forward: drop the last step's states; take the earlier stages'
+        from ``intermediate`` (the tensors this stage received)."""
+        self.states = ({i: intermediate[self.key(i)] for i in self.received}
+                       if intermediate is not None else {})
+
+    def buffers(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Receive buffers for the earlier stages' states, each shaped as ``like``."""
+        return {self.key(i): torch.empty_like(like) for i in self.received}
+
+    def outgoing(self) -> dict[str, torch.Tensor]:
+        """What this stage passes on: every state made here or before."""
+        return {self.key(i): self.states[i] for i in self.received + self.made_here}
+
+    def features(self) -> torch.Tensor:
+        """[T, len(layer_ids) * H_target] the states side by side, in the head's order."""
+        return torch.cat([self.states[i] for i in self.layer_ids], dim=-1)
+
+
 class _NoNorm(nn.Module):
     """EAGLE-1's first layer has no input norm: (x [+ residual]) passes through as both."""
 
@@ -179,9 +257,6 @@ class Eagle3Head(_HeadBase):
         h, eps = self.hidden_size, config.rms_norm_eps
         eagle = getattr(config, "eagle_config", None) or {}
         self.use_aux = bool(eagle.get("use_aux_hidden_state", True))
-        self.aux_layer_ids: tuple[int, ...] | None = (
-            tuple(eagle["eagle_aux_hidden_state_layer_ids"])
-            if eagle.get("eagle_aux_hidden_state_layer_ids") else None)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, h, ctx) if own_embedding
                              else None)
         target_h = int(getattr(config, "target_hidden_size", None) or target_hidden_size)
@@ -206,10 +281,7 @@ class Eagle3Head(_HeadBase):
 
     def aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """The target layers whose input residual stream the head reads."""
-        if self.aux_layer_ids is not None:
-            return self.aux_layer_ids
-        n = num_target_layers
-        return (min(2, n - 1), n // 2, max(n - 3, 0))
+        return eagle3_aux_layer_ids(self.config, num_target_layers)
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, 3 * H_target] target states -> [T, H] (the first draft step's hidden input)."""

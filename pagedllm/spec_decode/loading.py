@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.models.layers.embedding import VocabParallelEmbedding
 from pagedllm.models.layers.linear import LayerContext
+from pagedllm.models.layers.pipeline import PPMissingLayer
 from pagedllm.models.loader import iterate_checkpoint, load_model, prepare_linears
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.eagle import Eagle1Head, Eagle3Head, eagle_version, is_eagle_checkpoint
+from pagedllm.spec_decode.eagle import (Eagle1Head, Eagle3Head, eagle3_aux_layer_ids, eagle_version,
+                                        is_eagle_checkpoint)
 from pagedllm.spec_decode.proposer import DeviceProposer, DraftModelProposer, EagleProposer
 
 
@@ -58,6 +61,23 @@ def _tensor_names(path: str) -> list[str]:
         with safe_open(file, framework="pt", device="cpu") as f:
             names.extend(f.keys())
     return names
+
+
+def _read_tensor(path: str, names: tuple[str, ...], load_format: str = "auto"
+                 ) -> torch.Tensor | None:
+    """The first of ``names`` found in the checkpoint at ``path`` (safetensors: only that
+    tensor is read), or None."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files and load_format in ("auto", "safetensors"):
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                found = [n for n in names if n in f.keys()]
+                if found:
+                    return f.get_tensor(found[0])
+        return None
+    return next((t for n, t in iterate_checkpoint(path, load_format) if n in names), None)
 
 
 def check_draft_config(spec: SpeculativeConfig, config: EngineConfig) -> Any:
@@ -106,4 +126,42 @@ def build_proposer(spec: SpeculativeConfig, config: EngineConfig, target: nn.Mod
             head = Eagle1Head(hf, own, max_len, fc_bias=fc_bias, own_embedding=own_embedding)
         head.load_weights(iterate_checkpoint(spec.model))
         prepare_linears(head, own)
+        if head.embed_tokens is None and isinstance(target.embed_tokens, PPMissingLayer):
+            # the last pipeline stage of a target whose LM head is not its embedding
+            head.embed_tokens = target_embedding(config, own)
         return EagleProposer(head.eval(), target, own, block_size)
+
+
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
+
+
+def target_embedding(config: EngineConfig, ctx: LayerContext) -> nn.Module:
+    """The target's token embedding, for an EAGLE head on a pipeline stage that does not hold
+    it (only the first stage embeds): loaded from the target's checkpoint alone."""
+    hf = config.model.hf_config
+    embed = VocabParallelEmbedding(config.model.get_vocab_size(), int(hf.hidden_size), ctx)
+    if config.model.load_format == "dummy":
+        return embed
+    path = config.model.model
+    tensor = _read_tensor(path, EMBEDDING_NAMES, config.model.load_format)
+    if tensor is not None:
+        embed.weight_loader(embed.weight, tensor.to(embed.weight.dtype))
+        return embed
+    raise ValueError(f"speculative_config.method=eagle with pipeline_parallel_size="
+                     f"{config.parallel.pipeline_parallel_size} reads the target's embedding on "
+                     f"its last stage, but {path!r} has no tensor named "
+                     f"{' or '.join(EMBEDDING_NAMES)}")
+
+
+def aux_layer_ids(spec: SpeculativeConfig, config: EngineConfig) -> tuple[int, ...]:
+    """The target layers whose input residual stream the proposer reads: an EAGLE-3 head's
+    (eagle3_aux_layer_ids), () for every other method (pipeline stages without the head pass
+    these on to the last stage)."""
+    if spec.method not in ("eagle", "eagle3") or spec.model is None:
+        return ()
+    hf = load_config(spec.model)
+    version = (3 if spec.method == "eagle3"
+               else eagle_version(spec.model, hf, _tensor_names(spec.model)))
+    if version != 3:
+        return ()
+    return eagle3_aux_layer_ids(hf, config.model.get_num_layers())

@@ -23,6 +23,7 @@ from torch import nn
 from pagedllm.core.batch import ScheduledSeq
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.eagle import AuxHiddenStates
 from pagedllm.worker.model_runner import build_metadata
 
 logger = logging.getLogger(__name__)
@@ -200,34 +201,13 @@ class EagleProposer(DeviceProposer):
         self.target = target
         self.attn_cls = ctx.attn_cls
         self.kv_heads = max(1, head.num_kv_heads // ctx.tp.size)  # this rank's
-        # EAGLE-3: the residual stream entering these target layers, captured by hooks
-        self.aux: dict[int, torch.Tensor] = {}
-        self.aux_ids: tuple[int, ...] = ()
-        self._hooks: list[Any] = []
+        # EAGLE-3: the residual stream entering some of the target's layers (hooks on this
+        # pipeline stage's; earlier stages' arrive with its intermediate tensors)
+        self.aux_states = (AuxHiddenStates(target, head.aux_layers(len(target.layers)))
+                           if head.version == 3 and head.use_aux else None)
         # seq_id -> (position, feature [1, H]) of a prompt chunk's last position, whose next
         # token arrives with the next chunk
         self._held: dict[int, tuple[int, torch.Tensor]] = {}
-        if head.version == 3 and head.use_aux:
-            layers = target.layers[target.start_layer:target.end_layer]
-            self.aux_ids = head.aux_layers(len(layers))
-            for i in self.aux_ids:
-                if not 0 <= i < len(layers):
-                    raise ValueError(f"the EAGLE-3 head reads target layer {i}, but the target "
-                                     f"has {len(layers)} layers (eagle_aux_hidden_state_layer_ids)")
-                self._hooks.append(self._hook(layers, i))
-
-    def _hook(self, layers: Any, i: int) -> Any:
-        """Capture the input residual stream of target layer ``i`` (= the output hidden +
-        residual of layer i - 1; layer 0's input is the embedding)."""
-        if i == 0:
-            def pre(module: nn.Module, args: tuple) -> None:
-                self.aux[0] = args[2]  # (positions, cos_sin, hidden, residual, ...)
-            return layers[0].register_forward_pre_hook(pre)
-
-        def post(module: nn.Module, args: tuple, out: tuple) -> None:
-            hidden, residual = out
-            self.aux[i] = hidden + residual
-        return layers[i - 1].register_forward_hook(post)
 
     @property
     def num_layers(self) -> int:
@@ -239,13 +219,14 @@ class EagleProposer(DeviceProposer):
 
     def begin_target_forward(self) -> None:
         """Called before the target's forward: the hooks collect this step's states."""
-        self.aux = {}
+        if self.aux_states is not None:
+            self.aux_states.begin()
 
     def target_features(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] the head's hidden input for the target's rows: the final hidden states
         (EAGLE-1), or the fused auxiliary states (EAGLE-3)."""
-        if self.head.version == 3 and self.head.use_aux:
-            return self.head.combine(torch.cat([self.aux[i] for i in self.aux_ids], dim=-1))
+        if self.aux_states is not None:
+            return self.head.combine(self.aux_states.features())
         return final_hidden
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:

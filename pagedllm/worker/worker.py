@@ -108,6 +108,12 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute(batch, self.kv_caches)
 
+    def run_stage(self, batch: ScheduledBatch) -> list[SeqOutput] | None:
+        """This pipeline stage's share of the step (pipeline_parallel_size > 1): samples on the
+        last stage, None on the others."""
+        assert self.runner is not None
+        return self.runner.execute_stage(batch, self.ve_kv_caches[batch.virtual_engine], self.pp)
+
     def release_device_memory(self) -> None:
         """Called by ``release`` once the model and caches are dropped (e.g. return the
         caching allocator's blocks to the device)."""
@@ -258,9 +264,7 @@ class Worker:
         if self.lora_manager is not None:
             self.lora_manager.prepare(batch)
         if self.pp.size > 1:
-            assert self.runner is not None
-            outputs = self.runner.execute_stage(batch, self.ve_kv_caches[batch.virtual_engine],
-                                                self.pp)
+            outputs = self.run_stage(batch)
         else:
             outputs = self.run_model(batch)
         return outputs if self.is_output_rank else None

@@ -71,15 +71,30 @@ class SpecStepper(Stepper):
             room = min(room, params.max_tokens - (length - seq.prompt_len) - 1)
         return max(0, min(self.k, room))
 
-    def _running(self) -> list[tuple[SequenceGroup, Sequence]]:
-        return [(g, s) for g in self.scheduler.running
-                for s in g.get_seqs(SequenceStatus.RUNNING)]
+    @staticmethod
+    def _running(sch: SpecScheduler) -> list[tuple[SequenceGroup, Sequence]]:
+        return [(g, s) for g in sch.running for s in g.get_seqs(SequenceStatus.RUNNING)]
 
     # --- the step --------------------------------------------------------------------------
     def step(self) -> StepDone:
         sch: SpecScheduler = self.scheduler  # type: ignore[assignment]
-        running = self._running()
         start = time.perf_counter()
+        speculate, batch_size = self._plan(sch)
+        sched = sch.schedule()
+        outputs: list[SeqOutput] = []
+        if not sched.batch.is_empty():
+            self._before_launch(sch, sched, speculate)
+            outputs = self.executor.execute(sched.batch)
+            self._after(sch, sched, outputs)
+            self._measure(sched, outputs, time.perf_counter() - start, batch_size)
+        sch.after_step(sched)
+        return StepDone(sch, sched, outputs)
+
+    def _plan(self, sch: SpecScheduler) -> tuple[bool, int]:
+        """Before ``sch`` schedules: whether its step speculates (the guard, at its running
+        sequences' count) and the drafts each sequence carries into it; returns (speculate,
+        that count)."""
+        running = self._running(sch)
         speculate = self.guard.speculate(len(running))
         if not speculate:
             sch.clear_drafts()
@@ -93,19 +108,16 @@ class SpecStepper(Stepper):
                                                                self._room(group, seq, len(seq))))
                 else:
                     sch.limit_drafts(seq, self._room(group, seq, len(seq)))
-        sched = sch.schedule()
-        outputs: list[SeqOutput] = []
-        if not sched.batch.is_empty():
-            if self.ngram is None:
-                self._mark_followed(sched, speculate, len(self._running()))
-            if self.ngram is None and speculate:
-                self._reserve_lookahead(sched)
-            self._prepare(sched)
-            outputs = self.executor.execute(sched.batch)
-            self._after(sched, outputs)
-            self._measure(sched, outputs, time.perf_counter() - start, len(running))
-        sch.after_step(sched)
-        return StepDone(sch, sched, outputs)
+        return speculate, len(running)
+
+    def _before_launch(self, sch: SpecScheduler, sched: SchedulerOutput, speculate: bool) -> None:
+        """After ``sch`` scheduled a non-empty step: what the device proposer follows, its
+        lookahead slots, the host-side inputs."""
+        if self.ngram is None:
+            self._mark_followed(sched, speculate, len(self._running(sch)))
+            if speculate:
+                self._reserve_lookahead(sch, sched)
+        self._prepare(sched)
 
     def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
         """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
@@ -122,10 +134,10 @@ class SpecStepper(Stepper):
             follow = self._follow.setdefault(s.seq_id, prefer)
             s.proposer_skip = not follow
 
-    def _reserve_lookahead(self, sched: SchedulerOutput) -> None:
+    def _reserve_lookahead(self, sch: SpecScheduler, sched: SchedulerOutput) -> None:
         """Slots for the drafts the device proposer makes after this step (it writes their KV
         while drafting); a sequence gets none when the cache is short of free blocks."""
-        bm: SpecBlockManager = self.scheduler.block_manager  # type: ignore[assignment]
+        bm: SpecBlockManager = sch.block_manager  # type: ignore[assignment]
         for s, (group, seq) in zip(sched.batch.seqs, sched.entries):
             if s.num_samples == 0 or s.proposer_skip or not can_speculate(group):
                 continue
@@ -134,11 +146,11 @@ class SpecStepper(Stepper):
             if d and bm.reserve_lookahead(seq, end + d):
                 s.num_lookahead = d
 
-    def _after(self, sched: SchedulerOutput, outputs: list[SeqOutput]) -> None:
+    def _after(self, sch: SpecScheduler, sched: SchedulerOutput,
+               outputs: list[SeqOutput]) -> None:
         """Rejected drafts are not computed; every slot past the computed tokens (rejected
         drafts, lookahead) goes back before a fork could share it; the proposer's drafts are
         carried into the next step (for the length the sequence will have)."""
-        sch: SpecScheduler = self.scheduler  # type: ignore[assignment]
         bm: SpecBlockManager = sch.block_manager  # type: ignore[assignment]
         for s, (group, seq), out in zip(sched.batch.seqs, sched.entries, outputs):
             if s.num_spec_tokens and out.samples:
