@@ -42,11 +42,10 @@ def demo_proposer_path(method: str, target: str) -> str | None:
     return os.path.join(DEMO_DIR, DEMO_PROPOSERS[method])
 
 
-def check_static_shapes(spec: SpeculativeConfig, backend: Any) -> None:
+def check_static_shapes(backend: Any) -> None:
     """A static-shape backend (capabilities.static_shapes) speculates only where its worker
     pads verification steps to its buckets (``Worker.pads_verification_steps``: its model
-    runner's ``forward_rows`` does), and only with the n-gram proposer: a draft model or EAGLE
-    head runs its own steps unpadded (``DeviceProposer._forward``), a new program each step."""
+    runner's ``forward_rows`` does)."""
     worker = backend.worker_cls()
     if not getattr(worker, "pads_verification_steps", False):
         raise ValueError(
@@ -54,12 +53,6 @@ def check_static_shapes(spec: SpeculativeConfig, backend: Any) -> None:
             f"static shapes (capabilities.static_shapes) and its worker {worker.__name__} "
             "does not pad verification steps to its buckets (Worker.pads_verification_steps, "
             "ModelRunner.forward_rows)")
-    if spec.method != "ngram":
-        raise ValueError(
-            f"speculative_config.method={spec.method!r} (a draft model or EAGLE head) is not "
-            f"supported by the {backend.name} backend yet: the proposer's steps "
-            "(DeviceProposer._forward) are not padded to the static-shape buckets "
-            "(capabilities.static_shapes); allowed there: 'ngram'")
 
 
 def check_speculative(config: EngineConfig, backend: Any) -> None:
@@ -75,7 +68,7 @@ def check_speculative(config: EngineConfig, backend: Any) -> None:
             "needs attention over decode sequences with more than one query token "
             "(Capabilities.multi_token_decode), which it does not declare")
     if backend.capabilities.static_shapes:
-        check_static_shapes(spec, backend)
+        check_static_shapes(backend)
     if spec.method == "ngram":
         return
     if spec.model is None:
@@ -93,6 +86,12 @@ def check_speculative(config: EngineConfig, backend: Any) -> None:
     if not os.path.isdir(spec.model):
         raise ValueError(f"speculative_config.model={spec.model!r} is not a local folder")
     spec.method = resolve_method(spec)
+    if backend.capabilities.static_shapes:
+        raise ValueError(
+            f"speculative_config.method={spec.method!r} is not supported by the {backend.name} "
+            "backend yet: the draft model's or EAGLE head's own steps "
+            "(DeviceProposer._forward) are not padded to its static-shape buckets "
+            "(capabilities.static_shapes); allowed there: 'ngram'")
     check_draft_config(spec, config)
 
 
