@@ -20,6 +20,9 @@ BUILTIN_CONNECTORS = {
     # between two engine processes (one host or two) through torch.distributed: gloo + TCPStore
     "P2pConnector": "pagedllm.kv_transfer.p2p:P2pConnector",
     "PyNcclConnector": "pagedllm.kv_transfer.p2p:P2pConnector",  # vLLM's name for it
+    # blocks kept by LMCache (pip install lmcache): its CPU, disk and shared backends
+    "LMCacheConnector": "pagedllm.kv_transfer.lmcache:LMCacheConnector",
+    "LMCacheConnectorV1": "pagedllm.kv_transfer.lmcache:LMCacheConnector",  # vLLM v1's name
 }
 
 

@@ -106,7 +106,8 @@ def test_transfer_config_parsing_and_names(tmp_path) -> None:
                    )._kv_configs()
     with pytest.raises(ValueError, match="'Nope' is not a known KV connector; known: "
                                          "OffloadingConnector, SharedStorageConnector, "
-                                         "P2pConnector, PyNcclConnector"):
+                                         "P2pConnector, PyNcclConnector, LMCacheConnector, "
+                                         "LMCacheConnectorV1"):
         registry.resolve_connector("Nope")
 
 
