@@ -2,7 +2,8 @@
 verification batches cross both stages, the last stage verifies and runs the proposer (a draft
 model, or an EAGLE-3 head whose target embedding it loads and whose target states the first
 stage sends on), two virtual engines keep two batches in flight, and greedy output is the
-single-process plain engine's token for token, with no block left behind."""
+single-process plain engine's token for token (with preemption by swapping, and chunked
+prompts), with no block left behind."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,15 @@ def want(llama_path: str) -> list[list[int]]:
         plain.llm_engine.shutdown()
 
 
+# per method, beside ENGINE: the self-draft's caches too small for all four sequences (they
+# preempt each other by swapping, the proposer's KV swapped per virtual engine with the
+# target's); the EAGLE-3 head's prompts chunked (a chunk's last target state waits for the next)
+FEATURES = {"draft_model": dict(num_gpu_blocks_override=30, preemption_mode="swap",
+                                swap_space=1),
+            "eagle3": dict(enable_chunked_prefill=True, max_num_batched_tokens=8,
+                           max_num_seqs=4)}
+
+
 def _spec(method: str, llama_path: str, tmp_path) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -75,14 +85,15 @@ def _spec(method: str, llama_path: str, tmp_path) -> dict:
 def test_pp2_matches_plain(method: str, llama_path: str, want: list[list[int]],
                            tmp_path) -> None:
     spec = _spec(method, llama_path, tmp_path)
+    engine_args = {**ENGINE, **FEATURES.get(method, {})}
     single_drafts = None
     if method == "eagle3":  # the head's drafts with one stage, to compare with two
-        single = LLM(llama_path, speculative_config=spec, **ENGINE)
+        single = LLM(llama_path, speculative_config=spec, **engine_args)
         launches = _record(single, "execute")
         assert _tokens(single) == want
         single.llm_engine.shutdown()
         single_drafts = {d for _, _, drafts in launches for d in drafts}
-    llm = LLM(llama_path, pipeline_parallel_size=2, speculative_config=spec, **ENGINE)
+    llm = LLM(llama_path, pipeline_parallel_size=2, speculative_config=spec, **engine_args)
     engine = llm.llm_engine
     launches = _record(llm, "submit")
     try:
@@ -93,8 +104,9 @@ def test_pp2_matches_plain(method: str, llama_path: str, want: list[list[int]],
         assert m.num_draft_tokens > 0, "no draft was verified"
         if method in ("ngram", "draft_model"):
             assert m.num_accepted_tokens > 0
-        if method == "draft_model":
+        if method == "draft_model":  # its KV intact through the swaps
             assert m.num_accepted_tokens == m.num_draft_tokens
+            assert sum(s.num_preemptions for s in engine.schedulers) > 0
         # both virtual engines verified drafts, with the other's batch in the stages
         verifying = [(ve, n) for ve, n, drafts in launches if drafts]
         assert {ve for ve, _ in verifying} == {0, 1}
@@ -105,5 +117,6 @@ def test_pp2_matches_plain(method: str, llama_path: str, want: list[list[int]],
             bm = s.block_manager
             assert bm.device.num_free + bm.device.num_cached_idle == bm.num_device_blocks
             assert bm.num_tracked_seqs() == 0
+            assert bm.host.num_free == bm.num_host_blocks
     finally:
         engine.shutdown()
