@@ -248,9 +248,11 @@ class LMCacheLookup:
         if self.engine is None:
             raise ValueError(
                 f"LMCacheConnector found no LMCache engine {instance!r} in the engine's "
-                "process: its worker runs elsewhere (tensor_parallel_size or "
-                "pipeline_parallel_size > 1, or distributed_executor_backend 'mp' / 'ray'); "
-                "LMCacheConnector runs with one in-process worker")
+                "process: its worker runs in another process (tensor_parallel_size or "
+                "pipeline_parallel_size > 1; distributed_executor_backend 'mp' or 'ray'; or "
+                "a cpu worker run apart because torch was imported before pagedllm with "
+                "neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT set: import pagedllm first or set "
+                "one). LMCacheConnector runs with one worker in the engine's process")
         self.offsets = [block_size]
 
     def contains(self, key: bytes) -> bool:
