@@ -5,12 +5,21 @@ did (its ``counters``), and their results equal the plain path's, token for toke
 are counted by ``Worker.execute_async`` (the latter when ``PendingOutputs.done()`` was still
 False as ``launch_model`` returned); a graph-capturing worker adds ``graph_captures`` when it
 captures and ``graph_replays`` each time a step runs from a graph.
+
+The suite's checkpoint is tiny: on a fast GPU its steps finish while the host is still returning
+from the launch, so "returned before the device finished" would be luck. The async check first
+queues ~20 ms of matrix products on the device before every launch (``_busy_device``): a
+``launch_model`` that does not wait for the device returns while that work (and the step
+behind it) still runs; one that synchronizes waits for it and is caught.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import pytest
+import torch
 
 from pagedllm.contract.capabilities import Capabilities
 from pagedllm.testing.e2e import engine_greedy, first_mismatch
@@ -19,6 +28,35 @@ from pagedllm.testing.test_e2e import started_llm
 AREA = "claims (graphs, async, TP)"
 NEEDS_ENGINE = True  # runs an LLM on the device (skipped for kernel-only backends)
 CAPABILITY_OF = {"test_tensor_parallel_where_this_machine_can": "tensor parallel 2"}
+
+
+def _synchronize(device: torch.device) -> None:
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+def _busy_device(worker: Any, seconds: float = 0.02) -> None:
+    """Queue about ``seconds`` of matrix products on the worker's device (its current stream)
+    before each of its launches. Wraps the instance's ``launch_model``; the step itself is
+    unchanged."""
+    device = worker.device
+    x = torch.randn(1024, 1024, device=device) / 32  # products stay finite
+    out = torch.empty_like(x)
+    torch.mm(x, x, out=out)
+    _synchronize(device)
+    start = time.perf_counter()
+    torch.mm(x, x, out=out)
+    _synchronize(device)
+    reps = max(1, min(2000, math.ceil(seconds / max(time.perf_counter() - start, 1e-6))))
+    launch = worker.launch_model
+
+    def busy_launch(batch: Any) -> Any:
+        for _ in range(reps):
+            torch.mm(x, x, out=out)
+        return launch(batch)
+
+    worker.launch_model = busy_launch
 
 
 def _worker(llm: Any) -> Any:
@@ -60,6 +98,7 @@ def test_async_output_returns_before_the_device_finishes(
         conformance_caps: Capabilities, conformance_hf_reference: tuple[list, list]) -> None:
     ps, expected = conformance_hf_reference
     with started_llm(conformance_checkpoint, conformance_device_name, conformance_caps) as llm:
+        _busy_device(_worker(llm))
         got = engine_greedy(llm, ps)
         counters = _worker(llm).counters
     assert counters["launches"] > 0, (
