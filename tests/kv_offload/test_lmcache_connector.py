@@ -3,8 +3,8 @@ where it is not importable): a producer's prompt blocks go into LMCache's backen
 consumer engine loads them instead of computing them, its greedy output token for token the
 producer's: across two LMCache engines through LMCache's shared-folder store (the "fs" remote
 plugin; unreadable blocks are computed instead), and through one LMCache engine (its local
-disk backend) shared by two pagedllm engines. The settings checks and the missing-package
-error run everywhere."""
+disk backend) shared by two pagedllm engines. The engines run on $PAGEDLLM_TEST_DEVICE (default
+cpu). The settings checks and the missing-package error run everywhere."""
 from __future__ import annotations
 
 import random
@@ -13,11 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, envs
 from pagedllm.kv_transfer.config import KVTransferConfig
 from pagedllm.kv_transfer.lmcache import lmcache_settings
 
 BS = 16
+DEVICE = envs.PAGEDLLM_TEST_DEVICE or "cpu"  # the engines' device (cuda on the GPU machine)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def _prompts() -> list[list[int]]:
 def _engine(path: str, role: str | None, extra: dict | None = None) -> LLM:
     transfer = None if role is None else {"kv_connector": "LMCacheConnector", "kv_role": role,
                                           "kv_connector_extra_config": extra or {}}
-    return LLM(path, device="cpu", dtype="float32", block_size=BS, seed=0,
+    return LLM(path, device=DEVICE, dtype="float32", block_size=BS, seed=0,
                num_gpu_blocks_override=64, kv_transfer_config=transfer)
 
 
