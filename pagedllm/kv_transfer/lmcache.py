@@ -41,7 +41,7 @@ EXTRA_KEYS = {"lmcache_config_file": None, "put_timeout_s": 30.0}
 # LMCache settings the connector decides itself, or that change what a block is
 OWNED = ("chunk_size",)
 UNSUPPORTED = ("use_layerwise", "enable_blending", "enable_pd")
-_RECENT = 1 << 16  # keys saved lately (not looked up again)
+_RECENT = 1 << 16  # keys whose load failed, remembered (not tried again)
 
 
 def lmcache_settings(config: Any) -> dict[str, Any]:
@@ -95,7 +95,6 @@ class LMCacheConnector(KVConnector):
         self.instance = spec["instance_id"]
         self.producer, self.consumer = transfer.is_producer, transfer.is_consumer
         self.lookup = open_lookup(self.instance, spec["block_size"])
-        self._saved: OrderedDict[Key, None] = OrderedDict()
         self._broken: OrderedDict[Key, None] = OrderedDict()  # failed to load: not tried again
         self._pinned: set[Key] = set()
         self.counters: Counter[str] = Counter()
@@ -129,11 +128,10 @@ class LMCacheConnector(KVConnector):
 
     # --- saves --------------------------------------------------------------------------
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
-        if not self.producer or key in self._saved:
+        # LMCache is asked every time (it may have evicted a block saved before); a save
+        # still in flight may be repeated, which LMCache's put skips
+        if not self.producer:
             return
-        self._saved[key] = None
-        if len(self._saved) > _RECENT:
-            self._saved.popitem(last=False)
         self._broken.pop(key, None)
         if self.lookup.contains(key):  # type: ignore[arg-type]
             return

@@ -36,11 +36,11 @@ def _prompts() -> list[list[int]]:
     return [[rng.randint(3, 258) for _ in range(n)] for n in (70, 49, 90, 33)]
 
 
-def _engine(path: str, role: str | None, extra: dict | None = None) -> LLM:
+def _engine(path: str, role: str | None, extra: dict | None = None, blocks: int = 64) -> LLM:
     transfer = None if role is None else {"kv_connector": "LMCacheConnector", "kv_role": role,
                                           "kv_connector_extra_config": extra or {}}
     return LLM(path, device=DEVICE, dtype="float32", block_size=BS, seed=0,
-               num_gpu_blocks_override=64, kv_transfer_config=transfer)
+               num_gpu_blocks_override=blocks, kv_transfer_config=transfer)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
@@ -108,6 +108,24 @@ def test_two_engines_share_one_lmcache_engine(lmcache, llama_path, tmp_path) -> 
     assert consumer.llm_engine.kv.check_idle() == []
     consumer.llm_engine.shutdown()
     assert LMCacheEngineBuilder.get(name) is None
+
+
+def test_one_engine_reloads_what_its_device_cache_evicted(lmcache, llama_path) -> None:
+    """kv_both with LMCache's CPU backend: a device cache of 12 blocks, prompts asked again
+    after the others evicted them, loaded from LMCache instead of computed."""
+    prompts = _prompts()
+    llm = _engine(llama_path, "kv_both", {"lmcache.max_local_cpu_size": 0.05}, blocks=12)
+    first = _greedy(llm, prompts[:1]) + _greedy(llm, prompts[1:])  # the first is evicted
+    saved = _counters(llm)["saved:lmcache"]
+    assert _greedy(llm, prompts) == first
+    counters = _counters(llm)
+    # the second pass computes no prompt block: each is a device hit or loaded (and nothing
+    # is saved again: LMCache holds it)
+    assert counters["device"] + counters["loaded:lmcache"] >= sum((len(p) - 1) // BS
+                                                                  for p in prompts)
+    assert counters["saved:lmcache"] == saved and "failed:lmcache" not in counters
+    assert llm.llm_engine.kv.check_idle() == []
+    llm.llm_engine.shutdown()
 
 
 def _config(extra: dict, block_size: int = BS) -> SimpleNamespace:
