@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 STORE = "lmcache"
 PUT_POLL_S = 0.001
+EXIT_WATCHER = "pagedllm-lmcache-exit"
 _LOCK = threading.Lock()
 _OPEN: dict[str, int] = {}  # instance id -> pagedllm workers holding it
 
@@ -124,6 +125,19 @@ def _gpu_connector_class() -> type:
     return StagingRowsConnector
 
 
+def _destroy_at_exit() -> None:
+    """Runs in a daemon thread: once the main thread has finished, destroy the LMCache engines
+    still open. LMCache's storage manager runs its event loop in a non-daemon thread, which
+    would keep an interpreter whose engines were never shut down from exiting."""
+    threading.main_thread().join()
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    with _LOCK:
+        for instance in list(_OPEN):
+            del _OPEN[instance]
+            LMCacheEngineBuilder.destroy(instance)
+
+
 def open_engine(spec: dict[str, Any], layout: CacheLayout) -> Any:
     """The LMCache engine of ``spec["instance_id"]`` for this worker (created, or shared with
     another pagedllm engine of this process that named the same instance id)."""
@@ -147,6 +161,8 @@ def open_engine(spec: dict[str, Any], layout: CacheLayout) -> Any:
             instance, lmcache_config(spec), metadata,
             _gpu_connector_class()(layout.num_layers, bs, width), None, None)
         engine.post_init()
+        if not _OPEN and not any(t.name == EXIT_WATCHER for t in threading.enumerate()):
+            threading.Thread(target=_destroy_at_exit, name=EXIT_WATCHER, daemon=True).start()
         _OPEN[instance] = _OPEN.get(instance, 0) + 1
     return engine
 
@@ -156,6 +172,8 @@ def close_engine(instance: str) -> None:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     with _LOCK:
+        if instance not in _OPEN:  # destroyed at exit already
+            return
         _OPEN[instance] -= 1
         if _OPEN[instance]:
             return

@@ -7,7 +7,9 @@ disk backend) shared by two pagedllm engines. The engines run on $PAGEDLLM_TEST_
 cpu). The settings checks and the missing-package error run everywhere."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -79,7 +81,8 @@ def test_consumer_loads_what_the_producer_stored(lmcache, llama_path, tmp_path) 
     assert consumer.llm_engine.kv.check_idle() == []
     consumer.llm_engine.shutdown()
 
-    for f in sorted(folder.iterdir())[:3]:  # truncated: LMCache's reads of them fail
+    # three prompt blocks truncated (the first files written: the decoded blocks came later)
+    for f in sorted(folder.iterdir(), key=lambda f: f.stat().st_mtime_ns)[:3]:
         f.write_bytes(f.read_bytes()[:100])
     consumer = _engine(llama_path, "kv_consumer", _shared_folder(str(folder)))
     assert _greedy(consumer, prompts) == expected  # those blocks computed instead
@@ -126,6 +129,24 @@ def test_one_engine_reloads_what_its_device_cache_evicted(lmcache, llama_path) -
     assert counters["saved:lmcache"] == saved and "failed:lmcache" not in counters
     assert llm.llm_engine.kv.check_idle() == []
     llm.llm_engine.shutdown()
+
+
+def test_a_process_that_never_shut_its_engine_down_exits(lmcache, llama_path) -> None:
+    """LMCache's event loop thread is not a daemon: the engines left open are destroyed once
+    the main thread ends, so the interpreter still exits."""
+    script = f"""if True:
+        from pagedllm import LLM, SamplingParams
+        llm = LLM({llama_path!r}, device={DEVICE!r}, dtype="float32", block_size={BS},
+                  num_gpu_blocks_override=64, kv_transfer_config={{
+                      "kv_connector": "LMCacheConnector", "kv_role": "kv_both"}})
+        llm.generate([{{"prompt_token_ids": list(range(3, 40))}}],
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+        print("generated")
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "generated" in done.stdout, done.stderr[-2000:]
 
 
 def _config(extra: dict, block_size: int = BS) -> SimpleNamespace:
