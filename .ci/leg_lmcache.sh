@@ -7,7 +7,8 @@
 # PYTHONPATH. lmcache 0.5.6 leaves torch unpinned and imports on a CPU-only torch (its CUDA
 # extension and cupy/cuda-python are installed but not loaded there); it pins numpy <= 2.2.6,
 # protobuf < 7 and prometheus_client <= 0.24.1, which is why it is not in the main environment.
-# First build ~1.5 min (pip, mostly downloads), then reused; the tests take ~30 s on 2 cores.
+# First build ~2.5-3 min (pip, mostly downloads; 1.9 GB), then reused; the leg takes ~35 s on
+# 2 cores (6 tests, one of them a subprocess).
 # Env: PAGEDLLM_LMCACHE_VENV (venv path override), PAGEDLLM_CI_CACHE, PYTHON.
 set -euo pipefail
 
