@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PER_REQUEST_HISTORY = 100_000
-UNFOLLOW_AFTER = 64  # steps without speculation before the device proposer stops following
+UNFOLLOW_AFTER = 16  # steps preferring no speculation before the device proposer stops following
 
 
 def can_speculate(group: SequenceGroup) -> bool:
@@ -122,14 +122,16 @@ class SpecStepper(Stepper):
     def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
         """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
         a sequence seen for the first time is followed where speculation is the preferred mode
-        now; after UNFOLLOW_AFTER steps in a row without speculation none is, so a loaded
-        engine whose guard keeps speculation off pays nothing for the proposer."""
+        now; after UNFOLLOW_AFTER steps in a row where the guard prefers no speculation none is,
+        so a loaded engine whose guard keeps speculation off pays nothing for the proposer. (The
+        streak counts the guard's preference, not the steps that speculated: its exploration
+        step, one in ``explore_every``, would otherwise reset it before it ever ran out.)"""
         for seq_id in sched.batch.finished_seq_ids:
             self._follow.pop(seq_id, None)
-        self._off_streak = 0 if speculate else self._off_streak + 1
+        prefer = self.guard.prefers(batch_size)
+        self._off_streak = 0 if prefer else self._off_streak + 1
         if self._off_streak == UNFOLLOW_AFTER:
             self._follow = dict.fromkeys(self._follow, False)
-        prefer = self.guard.prefers(batch_size)
         for s in sched.batch.seqs:
             follow = self._follow.setdefault(s.seq_id, prefer)
             s.proposer_skip = not follow
