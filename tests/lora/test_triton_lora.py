@@ -2,23 +2,16 @@
 through Triton's interpreter when no GPU is present."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_env import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+DEVICE = triton_device()  # before triton is imported
 
 from pagedllm.backends.cuda import triton_lora  # noqa: E402
 from pagedllm.contract.lora import LoRAMapping  # noqa: E402
 from pagedllm.reference import lora as ref  # noqa: E402
 from lora_op_cases import SLOT_PATTERNS, _case, _close  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 @pytest.mark.parametrize("pattern", ["mixed", "none", "contiguous runs"])
