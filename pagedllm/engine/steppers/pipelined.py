@@ -11,10 +11,12 @@ from pagedllm.engine.virtual_engines import VirtualEngines
 from pagedllm.worker.pending import PendingOutputs
 
 
-class PipelinedStepper(Stepper):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.engines = VirtualEngines(self.schedulers)
+class OnVirtualEngines:
+    """A stepper over virtual engines (``self.engines``, set by its constructor): requests,
+    their block managers and what is in flight are the engines'. Mixed in before the stepper
+    base, whose single-scheduler versions it replaces."""
+
+    engines: VirtualEngines
 
     def add(self, group: SequenceGroup) -> None:
         self.engines.assign(group).add(group)
@@ -28,6 +30,12 @@ class PipelinedStepper(Stepper):
     @property
     def in_flight(self) -> bool:
         return bool(self.engines.in_flight)
+
+
+class PipelinedStepper(OnVirtualEngines, Stepper):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.engines = VirtualEngines(self.schedulers)
 
     def step(self) -> StepDone | None:
         self.engines.fill(self._launch)

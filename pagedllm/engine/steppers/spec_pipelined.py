@@ -15,36 +15,22 @@ from __future__ import annotations
 
 import time
 
-from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.core.sequence import SequenceGroup
 from pagedllm.engine.steppers.base import StepDone
+from pagedllm.engine.steppers.pipelined import OnVirtualEngines
 from pagedllm.engine.steppers.speculative import SpecStepper
 from pagedllm.engine.virtual_engines import VirtualEngines
 from pagedllm.spec_decode.scheduler import SpecScheduler
 from pagedllm.worker.pending import PendingOutputs
 
 
-class PipelinedSpecStepper(SpecStepper):
+class PipelinedSpecStepper(OnVirtualEngines, SpecStepper):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         assert all(isinstance(s, SpecScheduler) for s in self.schedulers)
         self.engines = VirtualEngines(self.schedulers)
         # virtual engine -> (plan start, speculate, batch size): from its plan to its outputs
         self._plans: dict[int, tuple[float, bool, int]] = {}
-
-    def add(self, group: SequenceGroup) -> None:
-        self.engines.assign(group).add(group)
-
-    def block_manager_of(self, group: SequenceGroup) -> BlockManager:
-        return self.engines.block_manager_of(group)
-
-    def forget(self, request_id: str) -> None:
-        self.engines.forget(request_id)
-
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.engines.in_flight)
 
     def step(self) -> StepDone | None:
         self.engines.fill(self._launch, before=self._plan_engine)
