@@ -26,7 +26,8 @@
 #   bash benchmarks/h200_run.sh spec         # issue 43: verification step (k=4) vs decode step,
 #                                            # batch 1 and 64, + n-gram tokens vs none on cuda
 #   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
-#   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute, 64 docs x 4k tokens
+#   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute vs device prefix
+#                                            # hits, 64 docs x 4k tokens
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # Several stages in one device call, with a deadline and a summary: benchmarks/gpu_batch.sh.
@@ -147,8 +148,9 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     ;;
   kvoff)
     model
-    timeout 290 python benchmarks/kv_offload.py --device cuda --model "$MODEL" --docs 64 \
+    timeout 480 python benchmarks/kv_offload.py --device cuda --model "$MODEL" --docs 64 \
       --doc-tokens 4096 --device-docs 8 --disagg-requests 0 --config recompute --config host \
+      --config device \
       --output-json "$OUT/kv_offload.json" "${@:2}" 2>&1 | tee "$OUT/kv_offload.log" | tail -10
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;

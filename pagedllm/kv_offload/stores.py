@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.kv_transfer.worker_side import BlockStore, CacheLayout, KVConnectorWorker
+from pagedllm.kv_transfer.worker_side import (BlockStore, CacheLayout, KVConnectorWorker,
+                                              consecutive_runs)
 from pagedllm.worker.host_memory import lazy_zeros
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 class HostPool(BlockStore):
     """Slots in host memory: one uint8 tensor [num_slots, num_layers, block_nbytes] (pinned
-    where the backend pins host memory, else mapped lazily: only slots written cost memory)."""
+    where the backend pins host memory, else mapped lazily: only slots written cost memory).
+    Runs of slots are views of it, so the device copies to and from it directly."""
 
     def __init__(self, name: str, num_slots: int, layout: CacheLayout) -> None:
         self.name = name
@@ -33,6 +35,10 @@ class HostPool(BlockStore):
 
     def read(self, slots: list[Any], out: torch.Tensor) -> None:
         torch.index_select(self.pool, 0, torch.tensor(slots, dtype=torch.int64), out=out)
+
+    def view(self, first: Any, count: int) -> torch.Tensor | None:
+        return self.pool[first:first + count] if 0 <= first and first + count <= self.num_slots \
+            else None
 
     def close(self) -> None:
         self.pool = torch.empty(0, dtype=torch.uint8)
@@ -64,19 +70,9 @@ class DiskStore(BlockStore):
         logger.info("KV offload disk tier: %d blocks (%.2f GiB) in %s", num_slots,
                     num_slots * self.row_bytes / (1 << 30), self.path)
 
-    def _spans(self, slots: list[Any]) -> list[tuple[int, int, int]]:
-        """(first row index, first slot, count) of runs of consecutive slots."""
-        spans: list[tuple[int, int, int]] = []
-        for i, slot in enumerate(slots):
-            if spans and spans[-1][1] + spans[-1][2] == slot:
-                spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + 1)
-            else:
-                spans.append((i, int(slot), 1))
-        return spans
-
     def write(self, slots: list[Any], rows: torch.Tensor) -> None:
         data = rows.contiguous().numpy().reshape(len(slots), self.row_bytes)
-        for first, slot, count in self._spans(slots):
+        for first, slot, count in consecutive_runs(slots):
             try:
                 view = memoryview(data[first:first + count]).cast("B")
                 done = os.pwrite(self._fd, view, slot * self.row_bytes)
@@ -93,7 +89,7 @@ class DiskStore(BlockStore):
             raise ValueError(f"disk tier slots {sorted(bad)[:4]} hold no valid block (a write "
                              "failed)")
         data = out.numpy().reshape(len(slots), self.row_bytes)
-        for first, slot, count in self._spans(slots):
+        for first, slot, count in consecutive_runs(slots):
             view = memoryview(data[first:first + count]).cast("B")
             got = os.preadv(self._fd, [view], slot * self.row_bytes)
             if got != len(view):

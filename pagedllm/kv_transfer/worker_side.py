@@ -8,6 +8,12 @@ once they are captured) and queues the store write; a load queues the store read
 ``import_blocks`` into its device blocks, which then overlaps the step's forward (those blocks
 are pinned: nothing else reads or writes them) and is joined before the next step's moves, or
 when the engine asks for failures after the step (``take_load_results``).
+
+Direct moves: a store that holds its slots in (pinned) host memory shows runs of consecutive
+slots as a tensor (``BlockStore.view``); a save exports straight into it and a load imports
+straight from it, with no staging buffer and no host copy (a 4k-token document of an 8B model is
+512 MB: the host copies were most of a load's time on a GPU). A direct save first waits for the
+queued jobs that touch its slots; its I/O job only waits for the export, keeping the order.
 """
 from __future__ import annotations
 
@@ -46,8 +52,22 @@ class CacheLayout:
         return self.num_layers * self.block_nbytes
 
     def staging(self, n: int) -> torch.Tensor:
-        rows = torch.empty((n, self.num_layers, self.block_nbytes), dtype=torch.uint8)
-        return rows.pin_memory() if self.pin_memory and n else rows
+        return torch.empty((n, self.num_layers, self.block_nbytes), dtype=torch.uint8,
+                           pin_memory=self.pin_memory and n > 0)
+
+
+MIN_DIRECT_RUN = 4  # consecutive slots moved directly; shorter runs share one staging buffer
+
+
+def consecutive_runs(slots: list[Slot]) -> list[tuple[int, int, int]]:
+    """(first index in ``slots``, first slot, count) of the runs of consecutive int slots."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and isinstance(slot, int) and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 class BlockStore(ABC):
@@ -63,6 +83,12 @@ class BlockStore(ABC):
     @abstractmethod
     def read(self, slots: list[Slot], out: torch.Tensor) -> None:
         """Slot ``slots[i]`` into out[i]; raises OSError/ValueError when a slot is unreadable."""
+
+    def view(self, first: Slot, count: int) -> torch.Tensor | None:
+        """Slots ``first .. first + count - 1`` as one host tensor this store holds
+        ([count, num_layers, block_nbytes], no copy), which a save may export into and a load
+        import from directly; None (the default): the store has no such memory."""
+        return None
 
     def close(self) -> None:
         """Release what the store holds (files it created, memory)."""
@@ -117,7 +143,8 @@ class KVWorkerRunner:
         self.parts = parts
         self.stores = {name: s for p in parts for name, s in p.stores.items()}
         self._io = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-kv-io")
-        self._writes: list[tuple[Future, int]] = []  # queued writes and their bytes
+        # queued writes: future, bytes, the (store, slot)s they read or write
+        self._writes: list[tuple[Future, int, set]] = []
         self._loads: list[tuple[Future, str, list[tuple]]] = []
         self._failed: list[tuple[str, Slot, int]] = []
         self.counters: Counter[str] = Counter()  # bytes/blocks saved, loaded, failed per store
@@ -151,18 +178,30 @@ class KVWorkerRunner:
 
     def _save(self, store: str, blocks: list[int], slots: list[Slot],
               caches: list[torch.Tensor]) -> None:
-        staging = self.layout.staging(len(blocks))
-        transfer = self.cache_ops.export_blocks(caches, torch.tensor(blocks, dtype=torch.int64),
-                                                staging)
-        target = self.stores[store]
+        target, staged = self.stores[store], []
+        for first, slot, count in consecutive_runs(slots):
+            view = target.view(slot, count) if count >= MIN_DIRECT_RUN else None
+            if view is None:
+                staged += range(first, first + count)
+                continue
+            touched = {(store, s) for s in range(slot, slot + count)}
+            self._wait_for(touched)  # an earlier job still reading or writing these slots
+            ids = torch.tensor(blocks[first:first + count], dtype=torch.int64)
+            transfer = self.cache_ops.export_blocks(caches, ids, view)
+            self._queue_write(transfer.wait, view.numel(), touched)
+        if staged:
+            staging = self.layout.staging(len(staged))
+            ids = torch.tensor([blocks[i] for i in staged], dtype=torch.int64)
+            transfer = self.cache_ops.export_blocks(caches, ids, staging)
+            staged_slots = [slots[i] for i in staged]
 
-        def write() -> None:
-            transfer.wait()
-            target.write(slots, staging)
+            def write() -> None:
+                transfer.wait()
+                target.write(staged_slots, staging)
 
-        self._queue_write(write, staging.numel())
+            self._queue_write(write, staging.numel(), {(store, s) for s in staged_slots})
         self.counters[f"saved_blocks:{store}"] += len(blocks)
-        self.counters[f"saved_bytes:{store}"] += staging.numel()
+        self.counters[f"saved_bytes:{store}"] += len(blocks) * self.layout.row_bytes
 
     def _move(self, src: str, src_slots: list[Slot], dst: str, dst_slots: list[Slot]) -> None:
         source, target, layout = self.stores[src], self.stores[dst], self.layout
@@ -172,40 +211,69 @@ class KVWorkerRunner:
             source.read(src_slots, rows)
             target.write(dst_slots, rows)
 
-        self._queue_write(move, len(src_slots) * layout.row_bytes)
+        touched = {(src, s) for s in src_slots} | {(dst, s) for s in dst_slots}
+        self._queue_write(move, len(src_slots) * layout.row_bytes, touched)
         self.counters[f"saved_blocks:{dst}"] += len(dst_slots)
         self.counters[f"saved_bytes:{dst}"] += len(dst_slots) * layout.row_bytes
 
-    def _queue_write(self, job: Callable[[], None], nbytes: int) -> None:
-        self._writes = [(f, n) for f, n in self._writes if not f.done()]
-        while self._writes and sum(n for _, n in self._writes) + nbytes > MAX_PENDING_WRITE_BYTES:
+    def _queue_write(self, job: Callable[[], None], nbytes: int, touched: set) -> None:
+        self._writes = [w for w in self._writes if not w[0].done()]
+        while self._writes and sum(w[1] for w in self._writes) + nbytes > MAX_PENDING_WRITE_BYTES:
             self._writes.pop(0)[0].result()
-        self._writes.append((self._io.submit(job), nbytes))
+        self._writes.append((self._io.submit(job), nbytes, touched))
+
+    def _wait_for(self, touched: set) -> None:
+        """Wait for the queued writes and moves that touch any of ``touched`` ((store, slot))."""
+        for fut, _, theirs in self._writes:
+            if not fut.done() and not theirs.isdisjoint(touched):
+                fut.result()
 
     def _load(self, store: str, slots: list[Slot], blocks: list[int],
               caches: list[torch.Tensor]) -> list[int]:
-        """Read ``slots`` and import them into ``blocks``; the indices that failed (a group
-        that fails is retried block by block, so one bad block costs only itself)."""
+        """Import ``slots`` into ``blocks`` (runs the store shows as a view directly, the rest
+        read into one staging buffer); the indices that failed (a staged group that fails is
+        retried block by block, so one bad block costs only itself)."""
         start = time.perf_counter()
+        source, transfers, staged = self.stores[store], [], []
+        for first, slot, count in consecutive_runs(slots):
+            view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
+            if view is None:
+                staged += range(first, first + count)
+                continue
+            ids = torch.tensor(blocks[first:first + count], dtype=torch.int64)
+            transfers.append(self.cache_ops.import_blocks(view, caches, ids))
+        bad: list[int] = []
+        try:
+            if staged:
+                bad = self._load_staged(source, [slots[i] for i in staged],
+                                        [blocks[i] for i in staged], caches)
+                bad = [staged[i] for i in bad]
+        finally:
+            for transfer in transfers:  # nothing writes these blocks after the load returns
+                transfer.wait()
+        self.load_seconds.append(time.perf_counter() - start)
+        del self.load_seconds[:-LATENCY_SAMPLES]  # nobody asks: keep the latest only
+        return bad
+
+    def _load_staged(self, source: BlockStore, slots: list[Slot], blocks: list[int],
+                     caches: list[torch.Tensor]) -> list[int]:
         rows = self.layout.staging(len(slots))
         try:
-            self.stores[store].read(slots, rows)
+            source.read(slots, rows)
             good = list(range(len(slots)))
         except (OSError, ValueError) as exc:
             good = []
             for i, slot in enumerate(slots):
                 try:
-                    self.stores[store].read([slot], rows[i:i + 1])
+                    source.read([slot], rows[i:i + 1])
                     good.append(i)
                 except (OSError, ValueError) as one:
-                    logger.warning("KV load from %s failed: %s", store, one)
+                    logger.warning("KV load from %s failed: %s", source.name, one)
             if not good:
                 raise exc
         ids = torch.tensor([blocks[i] for i in good], dtype=torch.int64)
         self.cache_ops.import_blocks(rows[good].contiguous() if len(good) < len(slots) else rows,
                                      caches, ids).wait()
-        self.load_seconds.append(time.perf_counter() - start)
-        del self.load_seconds[:-LATENCY_SAMPLES]  # nobody asks: keep the latest only
         return sorted(set(range(len(slots))) - set(good))
 
     def join_loads(self) -> None:
@@ -240,7 +308,7 @@ class KVWorkerRunner:
         self.flush()
 
     def flush(self) -> None:
-        for fut, _ in self._writes:
+        for fut, _, _ in self._writes:
             fut.result()
         self._writes = []
         self.join_loads()

@@ -37,8 +37,9 @@ class KernelCacheOps(CacheOps):
                       staging: torch.Tensor) -> CacheTransfer:
         """Gather the blocks into one device buffer [n, layers, bytes] and copy it to the
         (pinned) staging buffer, on a side stream that first waits for the work queued so far;
-        the current stream then waits for the side stream, so the step that overwrites an
-        exported block runs after its copy. The host is not blocked."""
+        the current stream waits for the gather only (a device copy), so the step that
+        overwrites an exported block runs after it while the copy to the host overlaps the
+        step. The host is not blocked."""
         if not kv_caches or kv_caches[0].device.type != "cuda":
             kv_transfer.export_blocks(kv_caches, block_ids, staging)
             return _DONE
@@ -56,10 +57,10 @@ class KernelCacheOps(CacheOps):
             for layer, cache in enumerate(kv_caches):
                 src = kv_transfer.byte_view(cache)
                 kv_transfer.staging_rows(gathered, layer, src).copy_(src.index_select(1, ids))
+            current.wait_stream(side)
             staging.copy_(gathered, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        current.wait_stream(side)
         return _StreamTransfer(event, (gathered, ids, staging))
 
     def import_blocks(self, staging: torch.Tensor, kv_caches: list[torch.Tensor],
