@@ -5,12 +5,27 @@ loaded server slower. No torch here.
 The adaptive guard keeps, per batch-size bucket (powers of two of the running sequences), the
 recent throughput (tokens emitted per second of step time) with and without speculation, as
 exponential moving averages. It speculates where that is measured faster, and tries the other
-mode one step in ``explore_every`` so a bucket follows changes (a workload whose drafts stop
-matching, a batch that grew). A bucket with no measurement of a mode tries it first.
+mode one step in ``explore_every`` (4x fewer while one mode is over ``FAR_AHEAD`` times the
+other) so a bucket follows changes (a workload whose drafts stop matching, a batch that grew). A bucket with no measurement of a mode tries it first.
+
+Two things keep one bad measurement from switching speculation off for good:
+- a mode's first step in a bucket is not counted (it pays one-time costs: new GEMM shapes,
+  kernel selection, the proposer's first forward) — ``skip_first``;
+- a device proposer (draft model, EAGLE) only drafts for sequences it follows, and the stepper
+  stops following while the guard prefers no speculation, so exploration steps then carry no
+  drafts and speculation is never measured again; a bucket whose speculation measurement is
+  older than ``remeasure_after`` of its steps (a quarter of that below 8 sequences when it was
+  within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+FAR_AHEAD = 2.0  # a mode this many times faster is explored against 4x less often
+# below 8 sequences (where one prompt decides a bucket's measurement), speculation measured
+# within CLOSE of plain is measured again 4x sooner; a large batch pays more to look again
+CLOSE, CLOSE_BUCKETS = 1.25, 3
 
 
 def _bucket(batch_size: int) -> int:
@@ -31,11 +46,15 @@ class _Rate:
 class SpecGuard:
     disable_by_batch_size: int | None = None
     explore_every: int = 32
-    alpha: float = 0.25
+    alpha: float = 0.1
     # measurements before a mode's average counts (a single step is noisy)
-    min_samples: int = 3
+    min_samples: int = 6
+    skip_first: int = 6  # a mode's first steps in a bucket, not counted (shapes met first)
+    remeasure_after: int = 512  # a bucket's steps after which its speculation rate is stale
     _rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
+    _seen: dict[tuple[int, bool], int] = field(default_factory=dict)  # record calls per key
+    _last_spec: dict[int, int] = field(default_factory=dict)  # step of the last spec sample
 
     def speculate(self, batch_size: int) -> bool:
         """Whether the next step of ``batch_size`` running sequences speculates."""
@@ -46,13 +65,24 @@ class SpecGuard:
         b = _bucket(batch_size)
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
+        on = self._rates.get((b, True), _Rate())
+        off = self._rates.get((b, False), _Rate())
+        stale = self.remeasure_after
+        if b <= CLOSE_BUCKETS and on.value * CLOSE >= off.value:
+            stale //= 4  # a near miss at a small batch (one hard prompt): look again sooner
+        if n - self._last_spec.get(b, n) > stale:
+            self._rates.pop((b, True), None)  # stale: measure speculation again
+            self._last_spec[b] = n
         on, off = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
         if on.samples < self.min_samples:
             return True
         if off.samples < self.min_samples:
             return False
         best = on.value >= off.value
-        return (not best) if n % self.explore_every == self.explore_every - 1 else best
+        every = self.explore_every
+        if max(on.value, off.value) >= FAR_AHEAD * min(on.value, off.value):
+            every *= 4  # far apart: one exploration step costs more than it can find
+        return (not best) if n % every == every - 1 else best
 
     def prefers(self, batch_size: int) -> bool:
         """The mode measured faster at ``batch_size`` (speculation until both are measured),
@@ -70,6 +100,11 @@ class SpecGuard:
         if self.disable_by_batch_size is not None or seconds <= 0 or batch_size <= 0:
             return
         key = (_bucket(batch_size), speculated)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if speculated:
+            self._last_spec[key[0]] = self._steps.get(key[0], 0)
+        if seen <= self.skip_first:
+            return
         self._rates.setdefault(key, _Rate()).add(tokens / seconds, self.alpha)
 
     def rates(self) -> dict[str, float]:

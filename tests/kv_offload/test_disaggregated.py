@@ -1,6 +1,7 @@
 """Disaggregated prefill with real processes on 127.0.0.1: a producer `pagedllm serve`, a
-consumer `pagedllm serve` (SharedStorageConnector over a folder, or P2pConnector over
-torch.distributed) and `pagedllm proxy` between
+consumer `pagedllm serve` (SharedStorageConnector over a folder, P2pConnector over
+torch.distributed, or LMCacheConnectorV1 over LMCache's shared-folder store where lmcache is
+installed: the lmcache CI leg) and `pagedllm proxy` between
 them, driven by the openai client. Outputs are a single engine's token for token; the consumer
 loads the producer's blocks (its Prometheus metrics count them, its log shows hit rates);
 killing the producer mid-run loses no request (the proxy counts the failed prefills)."""
@@ -84,6 +85,17 @@ class Proc:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
+def _lmcache_missing() -> str:
+    """Why LMCache cannot run here ("" when it can): its engine test runs in the lmcache leg."""
+    from pagedllm.kv_transfer.lmcache_worker import import_lmcache
+
+    try:
+        import_lmcache()
+    except ImportError as exc:
+        return f"lmcache is not importable: {exc}"
+    return ""
+
+
 # connector -> (the tier its loads are counted under, its kv_transfer_config but the role)
 CONNECTORS = {
     "SharedStorageConnector": ("shared", lambda shared, port: {
@@ -91,10 +103,20 @@ CONNECTORS = {
     "P2pConnector": ("p2p", lambda shared, port: {
         "kv_parallel_size": 2, "kv_port": port, "kv_buffer_size": 1e7,
         "kv_connector_extra_config": {"retry_s": 0.5}}),
+    # vLLM's name; LMCache's "fs" store: one file per chunk in a folder both engines share
+    "LMCacheConnectorV1": ("lmcache", lambda shared, port: {"kv_connector_extra_config": {
+        "lmcache.remote_storage_plugins": ["fs"],
+        "lmcache.extra_config": {"remote_storage_plugin.fs.base_path": str(shared)}}}),
 }
 
 
-@pytest.fixture(scope="module", params=list(CONNECTORS))
+def _connector_params() -> list:
+    missing = _lmcache_missing()
+    return [pytest.param(name, marks=pytest.mark.skipif(
+        bool(missing) and name == "LMCacheConnectorV1", reason=missing)) for name in CONNECTORS]
+
+
+@pytest.fixture(scope="module", params=_connector_params())
 def connector(request) -> str:
     return request.param
 

@@ -114,10 +114,18 @@ class SpecStepper(Stepper):
         """After ``sch`` scheduled a non-empty step: what the device proposer follows, its
         lookahead slots, the host-side inputs."""
         if self.ngram is None:
-            self._mark_followed(sched, speculate, len(self._running(sch)))
+            self._mark_followed(sched, speculate, self._decode_batch_size(sch))
             if speculate:
                 self._reserve_lookahead(sch, sched)
         self._prepare(sched)
+
+    def _decode_batch_size(self, sch: SpecScheduler) -> int:
+        """The batch the scheduled sequences will decode in: the running ones and those still
+        waiting for their prefill, up to max_num_seqs (a wave of prompts is admitted over
+        several steps: judged by the running count alone, its first sequences would be
+        followed as if they were to decode alone)."""
+        waiting = sum(g.num_unfinished_seqs() for g in sch.waiting)
+        return min(sch.config.max_num_seqs, len(self._running(sch)) + waiting)
 
     def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
         """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
