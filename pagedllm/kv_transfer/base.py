@@ -16,7 +16,9 @@ Connectors are found by name: the built-ins and the entry-point group "pagedllm.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -114,3 +116,41 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """The engine shuts down: release connections and threads (default: nothing)."""
+
+
+class RemoteStoreConnector(KVConnector):
+    """A connector whose blocks live outside this engine (a shared folder, a producer engine,
+    LMCache): counts its loads, failed loads and saves (``counters``) and keeps a key whose
+    load failed from being offered again (``is_broken``): for ``retry_s`` seconds when set, else
+    until ``MAX_BROKEN`` newer failures push it out."""
+
+    MAX_BROKEN: ClassVar[int] = 1 << 16
+    retry_s: float | None = None
+
+    def __init__(self, config: Any, slots: dict[str, int]) -> None:
+        super().__init__(config, slots)
+        self.counters: Counter[str] = Counter()
+        self._broken: OrderedDict[Key, float] = OrderedDict()  # key -> when its load failed
+
+    def is_broken(self, key: Key) -> bool:
+        failed_at = self._broken.get(key)
+        if failed_at is None:
+            return False
+        if self.retry_s is not None and time.monotonic() - failed_at >= self.retry_s:
+            del self._broken[key]
+            return False
+        return True
+
+    def forget_broken(self, key: Key) -> None:
+        """``key`` is good again (computed and saved anew)."""
+        self._broken.pop(key, None)
+
+    def loaded(self, key: Key, store: str) -> None:
+        self.counters["loaded"] += 1
+
+    def load_failed(self, key: Key, store: str, slot: Slot) -> None:
+        self.counters["failed"] += 1
+        self._broken[key] = time.monotonic()
+        self._broken.move_to_end(key)
+        if len(self._broken) > self.MAX_BROKEN:
+            self._broken.popitem(last=False)

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter, OrderedDict
 from typing import Any, ClassVar
 
-from pagedllm.kv_transfer.base import Key, KVConnector, KVStepOps, Slot
+from pagedllm.kv_transfer.base import Key, KVStepOps, RemoteStoreConnector, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ EXTRA_KEYS = {"lmcache_config_file": None, "put_timeout_s": 30.0}
 # LMCache settings the connector decides itself, or that change what a block is
 OWNED = ("chunk_size",)
 UNSUPPORTED = ("use_layerwise", "enable_blending", "enable_pd")
-_RECENT = 1 << 16  # keys whose load failed, remembered (not tried again)
 
 
 def lmcache_settings(config: Any) -> dict[str, Any]:
@@ -82,7 +80,7 @@ def lmcache_settings(config: Any) -> dict[str, Any]:
             "world_size": parallel.tensor_parallel_size * parallel.pipeline_parallel_size}
 
 
-class LMCacheConnector(KVConnector):
+class LMCacheConnector(RemoteStoreConnector):
     name: ClassVar[str] = "LMCacheConnector"
     worker_class: ClassVar[str] = "pagedllm.kv_transfer.lmcache_worker:LMCacheWorker"
 
@@ -95,9 +93,7 @@ class LMCacheConnector(KVConnector):
         self.instance = spec["instance_id"]
         self.producer, self.consumer = transfer.is_producer, transfer.is_consumer
         self.lookup = open_lookup(self.instance, spec["block_size"])
-        self._broken: OrderedDict[Key, None] = OrderedDict()  # failed to load: not tried again
         self._pinned: set[Key] = set()
-        self.counters: Counter[str] = Counter()
 
     @classmethod
     def worker_spec(cls, config: Any) -> dict[str, Any]:
@@ -105,7 +101,7 @@ class LMCacheConnector(KVConnector):
 
     # --- lookups ------------------------------------------------------------------------
     def locate(self, key: Key) -> tuple[str, Slot] | None:
-        if self.consumer and key not in self._broken and self.lookup.contains(key):
+        if self.consumer and not self.is_broken(key) and self.lookup.contains(key):
             return STORE, key
         return None
 
@@ -117,22 +113,13 @@ class LMCacheConnector(KVConnector):
         self._pinned.discard(key)
         self.lookup.unpin(key)  # type: ignore[arg-type]
 
-    def loaded(self, key: Key, store: str) -> None:
-        self.counters["loaded"] += 1
-
-    def load_failed(self, key: Key, store: str, slot: Slot) -> None:
-        self.counters["failed"] += 1
-        self._broken[key] = None
-        if len(self._broken) > _RECENT:
-            self._broken.popitem(last=False)
-
     # --- saves --------------------------------------------------------------------------
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
         # LMCache is asked every time (it may have evicted a block saved before); a save
         # still in flight may be repeated, which LMCache's put skips
         if not self.producer:
             return
-        self._broken.pop(key, None)
+        self.forget_broken(key)
         if self.lookup.contains(key):  # type: ignore[arg-type]
             return
         ops.stores.append(("save", STORE, block, key))

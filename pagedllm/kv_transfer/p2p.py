@@ -24,12 +24,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections import Counter, OrderedDict
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from pagedllm.kv_transfer.base import Key, KVConnector, KVStepOps, Slot
+from pagedllm.kv_transfer.base import Key, KVStepOps, RemoteStoreConnector, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ class Directory:
             self._client = None
 
 
-class P2pConnector(KVConnector):
+class P2pConnector(RemoteStoreConnector):
     name: ClassVar[str] = "P2pConnector"
     worker_class: ClassVar[str] = "pagedllm.kv_transfer.p2p_worker:P2pWorker"
 
@@ -172,8 +171,7 @@ class P2pConnector(KVConnector):
         self.producer = self.settings["role"] == "kv_producer"
         self.capacity = slots.get(STORE, 0)  # the producer's buffer, in blocks
         self._held: OrderedDict[Key, None] = OrderedDict()  # the producer's buffer, mirrored
-        self._broken: dict[Key, float] = {}  # failed to load: not tried again for retry_s
-        self.counters: Counter[str] = Counter()
+        self.retry_s = self.settings["retry_s"]  # a failed key is asked again after this
         parallel = getattr(config, "parallel", None)
         self.directory = (None if self.producer else
                           Directory(self.settings, getattr(parallel, "tensor_parallel_size", 1)))
@@ -185,23 +183,9 @@ class P2pConnector(KVConnector):
     def locate(self, key: Key) -> tuple[str, Slot] | None:
         if self.directory is None:
             return None
-        failed_at = self._broken.get(key)
-        if failed_at is not None:
-            if time.monotonic() - failed_at < self.settings["retry_s"]:
-                return None
-            del self._broken[key]
+        if self.is_broken(key):
+            return None
         return (STORE, key) if self.directory.holds(key) else None  # type: ignore[arg-type]
-
-    def loaded(self, key: Key, store: str) -> None:
-        self.counters["loaded"] += 1
-
-    def load_failed(self, key: Key, store: str, slot: Slot) -> None:
-        self.counters["failed"] += 1
-        now = time.monotonic()
-        self._broken[key] = now
-        if len(self._broken) > 1 << 16:
-            self._broken = {k: t for k, t in self._broken.items()
-                            if now - t < self.settings["retry_s"]}
 
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
         if not self.producer or key in self._held or not self.capacity:

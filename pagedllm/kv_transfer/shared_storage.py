@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Any, ClassVar
 
-from pagedllm.kv_transfer.base import Key, KVConnector, KVStepOps, Slot
+from pagedllm.kv_transfer.base import Key, KVStepOps, RemoteStoreConnector, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def block_path(folder: str, key: bytes, rank: int = 0) -> str:
     return os.path.join(folder, f"{key.hex()}.r{rank}.kv")
 
 
-class SharedStorageConnector(KVConnector):
+class SharedStorageConnector(RemoteStoreConnector):
     name: ClassVar[str] = "SharedStorageConnector"
     worker_class: ClassVar[str] = "pagedllm.kv_transfer.shared_storage_worker:SharedStorageWorker"
 
@@ -43,8 +43,6 @@ class SharedStorageConnector(KVConnector):
         self.path = self.storage_path(config)
         self.producer, self.consumer = transfer.is_producer, transfer.is_consumer
         self._saved: OrderedDict[Key, None] = OrderedDict()
-        self._broken: OrderedDict[Key, None] = OrderedDict()  # failed to load: not tried again
-        self.counters: Counter[str] = Counter()
 
     @staticmethod
     def storage_path(config: Any) -> str:
@@ -56,19 +54,10 @@ class SharedStorageConnector(KVConnector):
         return {"path": cls.storage_path(config)}
 
     def locate(self, key: Key) -> tuple[str, Slot] | None:
-        if (self.consumer and key not in self._broken
+        if (self.consumer and not self.is_broken(key)
                 and os.path.exists(block_path(self.path, key))):  # type: ignore[arg-type]
             return STORE, key
         return None
-
-    def loaded(self, key: Key, store: str) -> None:
-        self.counters["loaded"] += 1
-
-    def load_failed(self, key: Key, store: str, slot: Slot) -> None:
-        self.counters["failed"] += 1
-        self._broken[key] = None
-        if len(self._broken) > _RECENT:
-            self._broken.popitem(last=False)
 
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
         if not self.producer or key in self._saved:
