@@ -70,6 +70,33 @@ def consecutive_runs(slots: list[Slot]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def slot_runs(slots: list[Slot]) -> list[tuple[int, int, int, bool]]:
+    """(first index in ``slots``, lowest slot, count, descending) of the runs of consecutive
+    int slots either way up (a sequence's blocks may have been evicted, so saved, last first):
+    ``slots[first:first + count]`` is ``lowest .. lowest + count - 1``, reversed if descending."""
+    runs: list[list] = []
+    for i, slot in enumerate(slots):
+        if runs and isinstance(slot, int):
+            first, low, count, down = runs[-1]
+            if count == 1 and slot in (low + 1, low - 1):
+                runs[-1] = [first, min(low, slot), 2, slot < low]
+                continue
+            if not down and slot == low + count:
+                runs[-1][2] += 1
+                continue
+            if down and slot == low - 1:
+                runs[-1][1:3] = [slot, count + 1]
+                continue
+        runs.append([i, slot, 1, False])
+    return [(f, lo, n, d) for f, lo, n, d in runs]
+
+
+def _run_blocks(blocks: list[int], first: int, count: int, down: bool) -> torch.Tensor:
+    """The device blocks of a run's rows in slot order (lowest slot first)."""
+    picked = blocks[first:first + count]
+    return torch.tensor(picked[::-1] if down else picked, dtype=torch.int64)
+
+
 class BlockStore(ABC):
     """A worker's store: slots of one staging row each ([num_layers, block_nbytes] bytes)."""
 
@@ -179,14 +206,14 @@ class KVWorkerRunner:
     def _save(self, store: str, blocks: list[int], slots: list[Slot],
               caches: list[torch.Tensor]) -> None:
         target, staged = self.stores[store], []
-        for first, slot, count in consecutive_runs(slots):
+        for first, slot, count, down in slot_runs(slots):
             view = target.view(slot, count) if count >= MIN_DIRECT_RUN else None
             if view is None:
                 staged += range(first, first + count)
                 continue
             touched = {(store, s) for s in range(slot, slot + count)}
             self._wait_for(touched)  # an earlier job still reading or writing these slots
-            ids = torch.tensor(blocks[first:first + count], dtype=torch.int64)
+            ids = _run_blocks(blocks, first, count, down)
             transfer = self.cache_ops.export_blocks(caches, ids, view)
             self._queue_write(transfer.wait, view.numel(), touched)
         if staged:
@@ -235,12 +262,12 @@ class KVWorkerRunner:
         retried block by block, so one bad block costs only itself)."""
         start = time.perf_counter()
         source, transfers, staged = self.stores[store], [], []
-        for first, slot, count in consecutive_runs(slots):
+        for first, slot, count, down in slot_runs(slots):
             view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
             if view is None:
                 staged += range(first, first + count)
                 continue
-            ids = torch.tensor(blocks[first:first + count], dtype=torch.int64)
+            ids = _run_blocks(blocks, first, count, down)
             transfers.append(self.cache_ops.import_blocks(view, caches, ids))
         bad: list[int] = []
         try:

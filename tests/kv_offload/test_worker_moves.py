@@ -50,23 +50,29 @@ def make_runner(tmp_path, caches: list[torch.Tensor]) -> tuple[KVWorkerRunner, C
 def test_runs_move_directly_and_scattered_slots_through_staging(tmp_path) -> None:
     caches = make_caches(0)
     runner, _ = make_runner(tmp_path, caches)
-    # blocks 0..7 into host slots 4..11 (a run: direct), blocks 8, 9 into slots 20, 14
-    saves = [("save", "host", b, 4 + b) for b in range(8)] + [("save", "host", 8, 20),
-                                                                ("save", "host", 9, 14)]
-    expected = {b: block_bytes(caches, b) for b in range(10)}
+    # blocks 0..7 into host slots 4..11 (a run: direct), blocks 8, 9 into slots 20, 14, blocks
+    # 10..14 into slots 19..15 (a run downwards: direct, as a sequence evicted last block first)
+    saves = ([("save", "host", b, 4 + b) for b in range(8)]
+             + [("save", "host", 8, 20), ("save", "host", 9, 14)]
+             + [("save", "host", 10 + i, 19 - i) for i in range(5)])
+    expected = {b: block_bytes(caches, b) for b in range(15)}
     runner.before_moves(KVStepOps(stores=saves), caches)
     runner.flush()
     pool = runner.stores["host"]
     assert pool.view(4, 8).data_ptr() == pool.pool[4].data_ptr()  # a view: no copy
-    # load them back into blocks 16.. (direct run 4..11, scattered 20, 14)
-    loads = [("host", 4 + b, 16 + b) for b in range(8)] + [("host", 20, 24), ("host", 14, 25)]
+    assert bytes(pool.pool[19].numpy()) == b"".join(expected[10])  # slot 19: block 10
+    # load them back into blocks 16.. (direct run 4..11, scattered 20, 14, downward 19..15)
+    loads = ([("host", 4 + b, 16 + b) for b in range(8)] + [("host", 20, 24), ("host", 14, 25)]
+             + [("host", 19 - i, 26 + i) for i in range(5)])
     runner.after_moves(KVStepOps(loads=loads), caches)
     failed, seconds = runner.take_load_results()
     assert failed == [] and len(seconds) == 1
     for b in range(8):
         assert block_bytes(caches, 16 + b) == expected[b]
     assert block_bytes(caches, 24) == expected[8] and block_bytes(caches, 25) == expected[9]
-    assert runner.counters["loaded_blocks:host"] == 10
+    for i in range(5):
+        assert block_bytes(caches, 26 + i) == expected[10 + i]
+    assert runner.counters["loaded_blocks:host"] == 15
     runner.close()
 
 
