@@ -165,5 +165,7 @@ class SeqOutput:
     seq_id: int
     samples: list[Sample]
     prompt_logprobs: list[PositionLogprobs] | None = None
-    # speculative decoding: the drafts the worker's proposer made for the next step
+    # speculative decoding: the drafts the worker's proposer made for the next step, and (on
+    # the batch's first output only) the seconds its proposer took in this step
     spec_token_ids: list[int] | None = None
+    proposer_s: float = 0.0

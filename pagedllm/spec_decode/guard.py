@@ -16,6 +16,15 @@ Two things keep one bad measurement from switching speculation off for good:
   drafts and speculation is never measured again; a bucket whose speculation measurement is
   older than ``remeasure_after`` of its steps (a quarter of that below 8 sequences when it was
   within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh.
+
+A bucket that has not measured speculation yet takes the verdict of the nearest smaller bucket
+that measured both modes when that verdict is "plain": speculation's gain only shrinks as the
+batch grows (the drafts' extra query tokens cost more once a step is compute-bound), so a
+larger batch does not pay to learn what a smaller one already showed (vLLM's
+``disable_by_batch_size`` rests on the same order). The smaller bucket's own re-measurement
+lifts it. Plain steps are judged without the device proposer's time (the stepper subtracts
+what the proposer spent mirroring them): the rate to beat is that of plain decoding with the
+proposer switched off, which is what the stepper switches to.
 """
 from __future__ import annotations
 
@@ -75,7 +84,7 @@ class SpecGuard:
             self._last_spec[b] = n
         on, off = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
         if on.samples < self.min_samples:
-            return True
+            return not self._smaller_prefers_plain(b)
         if off.samples < self.min_samples:
             return False
         best = on.value >= off.value
@@ -91,9 +100,25 @@ class SpecGuard:
             return 0 < batch_size < self.disable_by_batch_size
         b = _bucket(batch_size)
         on, off = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
-        if on.samples < self.min_samples or off.samples < self.min_samples:
+        if on.samples < self.min_samples:
+            return not self._smaller_prefers_plain(b)
+        if off.samples < self.min_samples:
             return True
         return on.value >= off.value
+
+    def _measured(self, b: int) -> tuple[_Rate, _Rate] | None:
+        on, off = (self._rates.get((b, mode)) for mode in (True, False))
+        if on is None or off is None or min(on.samples, off.samples) < self.min_samples:
+            return None
+        return on, off
+
+    def _smaller_prefers_plain(self, b: int) -> bool:
+        """The nearest smaller bucket that measured both modes found plain faster."""
+        for smaller in range(b - 1, 0, -1):
+            both = self._measured(smaller)
+            if both is not None:
+                return both[1].value > both[0].value
+        return False
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A step of ``batch_size`` sequences emitted ``tokens`` in ``seconds``."""

@@ -3,6 +3,7 @@ rows through the sampler and the verification chunks (k + 1 rows each) through t
 sampler, then the device proposer mirrors the step and drafts for the next one."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -86,8 +87,11 @@ class SpecRunner:
             k = seqs[i].sampling_params.prompt_logprobs or 0
             outputs[i].prompt_logprobs = prompt_logprobs(logits[r0:r0 + n], targets, k)
         if self.proposer is not None:
+            start = time.perf_counter()
             self.proposer.forget(batch.finished_seq_ids)
             self._propose(seqs, offsets, outputs, hidden)
+            if outputs:  # host time: on an asynchronous device, what the launches took
+                outputs[0].proposer_s = time.perf_counter() - start
         return outputs
 
     def forward_rows(self, seqs: list[ScheduledSeq], rows: list[int],

@@ -68,3 +68,17 @@ def test_stale_speculation_is_measured_again() -> None:
     assert unfollowed(spec_rate=300, steps=300) < 0.05  # stale not yet: nothing measured
     assert unfollowed(spec_rate=300, steps=600) > 0.3  # re-measured: speculation back on
     assert unfollowed(spec_rate=300, steps=200) > 0.9
+
+
+def test_a_larger_batch_takes_a_smaller_one_s_plain_verdict() -> None:
+    """Batch 8 measured plain faster: batch 32 runs plain from its first step (no speculative
+    steps to learn what batch 8 showed); a smaller bucket that found speculation faster lends
+    nothing, and the larger bucket measures for itself."""
+    g = SpecGuard()
+    assert _run(g, 8, spec_rate=60, plain_rate=100, steps=200) < 0.1
+    assert not g.prefers(32)
+    assert _run(g, 32, spec_rate=300, plain_rate=100, steps=64) == 0.0
+    h = SpecGuard()
+    assert _run(h, 8, spec_rate=200, plain_rate=100, steps=200) > 0.9
+    assert h.prefers(32)
+    assert _run(h, 32, spec_rate=60, plain_rate=100, steps=640) < 0.06

@@ -183,7 +183,10 @@ class SpecStepper(Stepper):
 
     def _measure(self, sched: SchedulerOutput, outputs: list[SeqOutput], seconds: float,
                  batch_size: int) -> None:
-        """Steps of decodes only feed the guard (a prompt's prefill would swamp them)."""
+        """Steps of decodes only feed the guard (a prompt's prefill would swamp them); a plain
+        step counts without the time the device proposer spent mirroring it (the guard weighs
+        speculation against plain decoding with the proposer off, which is what it switches
+        to: after UNFOLLOW_AFTER steps preferring plain nothing is mirrored)."""
         verified = any(s.num_spec_tokens for s in sched.batch.seqs)
         if verified:
             self.metrics.num_spec_steps += 1
@@ -192,4 +195,6 @@ class SpecStepper(Stepper):
         if any(s.num_tokens - s.num_spec_tokens > 1 for s in sched.batch.seqs):
             return
         tokens = sum(len(o.samples) for o in outputs)
+        if not verified and outputs:
+            seconds -= min(outputs[0].proposer_s, seconds / 2)
         self.guard.record(batch_size, verified, tokens, seconds)

@@ -1,0 +1,54 @@
+"""The guard inside the engine: a plain step is judged without the time the device proposer
+spent mirroring it (the rate to beat is plain decoding with the proposer off, which the stepper
+switches to), measured by the worker's runner on a real step of the demo model and its
+shipped draft model."""
+from __future__ import annotations
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.demo import DEMO_DIR
+
+PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(",
+           "def fib(n):\n    if n < 2:\n        return n\n    return ",
+           "for i in range(10):\n    print("]
+
+
+def test_plain_steps_are_recorded_without_the_proposer_time() -> None:
+    llm = LLM(DEMO_DIR, device="cpu", dtype="float32", seed=0, max_num_seqs=4,
+              speculative_config={"method": "draft", "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    stepper, runner = engine.stepper, engine.executor.worker.spec_runner
+    proposer_s: list[float] = []
+    execute = runner.execute
+
+    def spy_execute(batch, caches):  # the real step; its first output's proposer time kept
+        outputs = execute(batch, caches)
+        proposer_s.append(outputs[0].proposer_s if outputs else 0.0)
+        return outputs
+
+    steps: list[tuple[bool, float, float, float]] = []  # (plain, step s, recorded s, proposer s)
+    measure, record = stepper._measure, stepper.guard.record
+    seen: dict[str, float] = {}
+
+    def spy_record(batch_size, speculated, tokens, seconds):
+        seen["seconds"] = seconds
+        return record(batch_size, speculated, tokens, seconds)
+
+    def spy_measure(sched, outputs, seconds, batch_size):
+        seen.clear()
+        measure(sched, outputs, seconds, batch_size)
+        if "seconds" in seen:
+            plain = not any(s.num_spec_tokens for s in sched.batch.seqs)
+            steps.append((plain, seconds, seen["seconds"], proposer_s[-1]))
+
+    runner.execute, stepper._measure, stepper.guard.record = spy_execute, spy_measure, spy_record
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.shutdown()
+    mirrored_plain = [s for s in steps if s[0] and s[3] > 0]
+    assert mirrored_plain, "no plain step with the proposer following was measured"
+    for _, step_s, recorded_s, prop_s in mirrored_plain:
+        assert recorded_s == step_s - min(prop_s, step_s / 2)
+    # speculative steps are judged whole (their proposer time is the price of the drafts)
+    assert all(rec == step for plain, step, rec, _ in steps if not plain)
+    assert any(not plain for plain, *_ in steps)
