@@ -52,29 +52,66 @@ def wait_ready(server: Any) -> None:
     raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{logs}")
 
 
-class CliServer:
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
-                 ) -> None:
+class CliProcess:
+    """``pagedllm ARGV... --port P`` (serve, proxy, ...) as a subprocess on a free port, its output
+    in a log file; ``wait_ready()`` until it answers GET /health."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 drop_env: tuple[str, ...] = ()) -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *argv,
-               "--device", "cpu", "--dtype", "float32", "--port", str(self.port),
-               "--disable-uvicorn-access-log"]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
+        for name in drop_env:
+            env.pop(name, None)
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv,
+                                      "--port", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> CliProcess:
         wait_ready(self)
+        return self
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> int | None:
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+    def kill(self) -> None:
+        """SIGKILL, the engine process included: a crash, nothing cleaned up."""
         if self.proc.poll() is None:
             for pid in children(self.proc.pid):
                 os.kill(pid, signal.SIGKILL)
             self.proc.kill()
         self.proc.wait()
+
+    def stop(self) -> int | None:
+        """SIGTERM (a clean shutdown), SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+class CliServer(CliProcess):
+    """``pagedllm serve ARGV... --device cpu --dtype float32``, ready when constructed; ``stop``
+    kills it (the tests of shutdown paths send their own signals first)."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+                 ) -> None:
+        super().__init__(["serve", *argv, "--device", "cpu", "--dtype", "float32",
+                          "--disable-uvicorn-access-log"], log_path, env)
+        wait_ready(self)
+
+    def stop(self) -> int | None:
+        self.kill()
         self._log.close()
         return self.proc.returncode

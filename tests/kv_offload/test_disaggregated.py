@@ -10,79 +10,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from pagedllm.entrypoints.openai.lifecycle import child_pids
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "entrypoints"))
+from cli_server import CliProcess, free_port  # noqa: E402
 
 MAX_TOKENS = 8
-STARTUP_S = 300.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A `pagedllm ...` subprocess on a free port, its output in a log file."""
-
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        self._log = open(log, "wb")
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv,
-                                      "--port", str(self.port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"not ready after {STARTUP_S} s:\n{self.logs()}")
-
-    def logs(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL, the engine process included: a crash, nothing cleaned up."""
-        for pid in child_pids(self.proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
-
-    def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
 def _lmcache_missing() -> str:
@@ -121,12 +60,13 @@ def connector(request) -> str:
     return request.param
 
 
-def _serve(model: str, role: str, connector: str, shared: Path, port: int, log: Path) -> Proc:
+def _serve(model: str, role: str, connector: str, shared: Path, port: int,
+           log: Path) -> CliProcess:
     transfer = {"kv_connector": connector, "kv_role": role,
                 **CONNECTORS[connector][1](shared, port)}
-    return Proc(["serve", model, "--device", "cpu", "--dtype", "float32", "--block-size", "16",
-                 "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log",
-                 "--kv-transfer-config", json.dumps(transfer)], log)
+    return CliProcess(["serve", model, "--device", "cpu", "--dtype", "float32", "--block-size",
+                       "16", "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log",
+                       "--kv-transfer-config", json.dumps(transfer)], log)
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +80,14 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def cluster(model, connector, tmp_path_factory):
     logs, shared = tmp_path_factory.mktemp("disagg-logs"), tmp_path_factory.mktemp("kv")
-    port = _free_port()
+    port = free_port()
     producer = _serve(model, "kv_producer", connector, shared, port, logs / "producer.log")
     consumer = _serve(model, "kv_consumer", connector, shared, port, logs / "consumer.log")
     procs = [producer, consumer]
     try:
         producer.wait_ready()
         consumer.wait_ready()
-        proxy = Proc(["proxy", "--prefill", producer.url, "--decode", consumer.url],
+        proxy = CliProcess(["proxy", "--prefill", producer.url, "--decode", consumer.url],
                      logs / "proxy.log")
         procs.append(proxy)
         proxy.wait_ready()

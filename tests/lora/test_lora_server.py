@@ -6,11 +6,7 @@ a 400 naming the problem while the server keeps serving, and /metrics has lora_r
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,51 +14,21 @@ import pytest
 
 from lora_helpers import hf_lora_greedy, make_adapter
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "entrypoints"))
+from cli_server import CliProcess  # noqa: E402
+
 KEY = "sk-lora-test"
 TOKENS = 8
 PROMPT = [1, 40, 73, 101, 7, 88]
-STARTUP_TIMEOUT_S = 300.0
 
 
-class Server:
-    def __init__(self, argv: list[str], log: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log_path, self._log = log, open(log, "wb")
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        env.pop("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *argv, "--device", "cpu",
-             "--dtype", "float32", "--port", str(self.port), "--disable-uvicorn-access-log"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready:\n{self.logs()}")
-
-    def logs(self) -> str:
-        self._log.flush()
-        return self._log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def start_server(argv: list[str], log: Path) -> CliProcess:
+    """``pagedllm serve ARGV...`` on the cpu, ready; runtime adapter updates only where a test
+    sets the flag itself."""
+    return CliProcess(["serve", *argv, "--device", "cpu", "--dtype", "float32",
+                       "--disable-uvicorn-access-log"], log,
+                      drop_env=("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING",)).wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +40,12 @@ def setup(checkpoint_factory, tmp_path_factory):
     want = {name: hf_lora_greedy(base, paths[name], [PROMPT], TOKENS)[0]
             for name in ("a1", "a2", "a3")}
     want[None] = hf_lora_greedy(base, None, [PROMPT], TOKENS)[0]
-    server = Server([base, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-                     "--max-lora-rank", "16", "--lora-modules", f"a1={paths['a1']}",
-                     '{"name": "a2", "path": "%s"}' % paths["a2"], "--api-key", KEY,
-                     "--allow-runtime-lora-updating", "--max-model-len", "128",
-                     "--max-num-batched-tokens", "128", "--max-num-seqs", "16"],
-                    root / "server.log")
+    server = start_server([base, "--served-model-name", "tiny", "--enable-lora", "--max-loras",
+                           "2", "--max-lora-rank", "16", "--lora-modules", f"a1={paths['a1']}",
+                           '{"name": "a2", "path": "%s"}' % paths["a2"], "--api-key", KEY,
+                           "--allow-runtime-lora-updating", "--max-model-len", "128",
+                           "--max-num-batched-tokens", "128", "--max-num-seqs", "16"],
+                          root / "server.log")
     yield server, paths, want
     server.stop()
 
