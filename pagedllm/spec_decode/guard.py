@@ -4,9 +4,12 @@ loaded server slower. No torch here.
 
 The adaptive guard keeps, per batch-size bucket (powers of two of the running sequences), the
 recent throughput (tokens emitted per second of step time) with and without speculation, as
-exponential moving averages. It speculates where that is measured faster, and tries the other
-mode one step in ``explore_every`` (4x fewer while one mode is over ``FAR_AHEAD`` times the
-other) so a bucket follows changes (a workload whose drafts stop matching, a batch that grew). A bucket with no measurement of a mode tries it first.
+the median of each mode's last 16 steps (a step slowed by a co-tenant on shared cores counts
+as one rank, not as the weight of a moving average's first sample). It speculates where that
+is measured faster, and tries the other mode one step in ``explore_every`` (4x fewer while one
+mode is over ``FAR_AHEAD`` times the other) so a bucket follows changes (a workload whose
+drafts stop matching, a batch that grew). A bucket with no measurement of a mode tries it
+first.
 
 Two things keep one bad measurement from switching speculation off for good:
 - a mode's first step in a bucket is not counted (it pays one-time costs: new GEMM shapes,
@@ -28,6 +31,8 @@ proposer switched off, which is what the stepper switches to.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -35,6 +40,7 @@ FAR_AHEAD = 2.0  # a mode this many times faster is explored against 4x less oft
 # below 8 sequences (where one prompt decides a bucket's measurement), speculation measured
 # within CLOSE of plain is measured again 4x sooner; a large batch pays more to look again
 CLOSE, CLOSE_BUCKETS = 1.25, 3
+WINDOW = 16  # step rates a mode's estimate is the median of
 
 
 def _bucket(batch_size: int) -> int:
@@ -43,19 +49,25 @@ def _bucket(batch_size: int) -> int:
 
 @dataclass
 class _Rate:
-    value: float = 0.0
+    """The median of a mode's last ``WINDOW`` step rates: a step slowed by something else on the
+    machine (another process on shared cores, a page fault) moves it by one rank, where in a
+    moving average the first such sample would weigh most of the decision."""
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
 
-    def add(self, x: float, alpha: float) -> None:
-        self.value = x if self.samples == 0 else (1 - alpha) * self.value + alpha * x
+    def add(self, x: float) -> None:
+        self.recent.append(x)
         self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 @dataclass
 class SpecGuard:
     disable_by_batch_size: int | None = None
     explore_every: int = 32
-    alpha: float = 0.1
     # measurements before a mode's average counts (a single step is noisy)
     min_samples: int = 6
     skip_first: int = 6  # a mode's first steps in a bucket, not counted (shapes met first)
@@ -130,7 +142,7 @@ class SpecGuard:
             self._last_spec[key[0]] = self._steps.get(key[0], 0)
         if seen <= self.skip_first:
             return
-        self._rates.setdefault(key, _Rate()).add(tokens / seconds, self.alpha)
+        self._rates.setdefault(key, _Rate()).add(tokens / seconds)
 
     def rates(self) -> dict[str, float]:
         """The measured tokens/s by bucket and mode (for logs and benchmarks)."""

@@ -82,3 +82,21 @@ def test_a_larger_batch_takes_a_smaller_one_s_plain_verdict() -> None:
     assert _run(h, 8, spec_rate=200, plain_rate=100, steps=200) > 0.9
     assert h.prefers(32)
     assert _run(h, 32, spec_rate=60, plain_rate=100, steps=640) < 0.06
+
+
+def test_one_slowed_step_does_not_decide() -> None:
+    """Speculation is 1.5x faster, but the first of its steps the guard counts ran while another
+    process held the cores (10x slower). A moving average started at that sample decided for
+    plain for most of the next 160 steps; the median of the recent steps does not."""
+    g = SpecGuard()
+    on = counted = 0
+    for _ in range(160):
+        s = g.speculate(8)
+        on += s
+        rate = 150 if s else 100
+        if s:
+            counted += 1
+            if counted == g.skip_first + 1:
+                rate = 15
+        g.record(8, s, 100, 100 / rate)
+    assert on / 160 > 0.8
