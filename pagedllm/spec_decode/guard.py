@@ -3,9 +3,9 @@ adaptive guard that measures both modes and keeps the faster, so speculation nev
 loaded server slower. No torch here.
 
 The adaptive guard keeps, per batch-size bucket (powers of two of the running sequences), the
-recent throughput (tokens emitted per second of step time) with and without speculation, as
-the median of each mode's last 16 steps (a step slowed by a co-tenant on shared cores counts
-as one rank, not as the weight of a moving average's first sample). It speculates where that
+recent throughput (tokens emitted per second of step time) with and without speculation over
+each mode's last 16 steps, the slowest two left out (a step slowed by a co-tenant on shared
+cores does not decide, as a moving average's first sample would). It speculates where that
 is measured faster, and tries the other mode one step in ``explore_every`` (4x fewer while one
 mode is over ``FAR_AHEAD`` times the other) so a bucket follows changes (a workload whose
 drafts stop matching, a batch that grew). A bucket with no measurement of a mode tries it
@@ -31,7 +31,6 @@ proposer switched off, which is what the stepper switches to.
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,7 +39,7 @@ FAR_AHEAD = 2.0  # a mode this many times faster is explored against 4x less oft
 # below 8 sequences (where one prompt decides a bucket's measurement), speculation measured
 # within CLOSE of plain is measured again 4x sooner; a large batch pays more to look again
 CLOSE, CLOSE_BUCKETS = 1.25, 3
-WINDOW = 16  # step rates a mode's estimate is the median of
+WINDOW = 16  # the steps a mode's rate is measured over
 
 
 def _bucket(batch_size: int) -> int:
@@ -49,19 +48,26 @@ def _bucket(batch_size: int) -> int:
 
 @dataclass
 class _Rate:
-    """The median of a mode's last ``WINDOW`` step rates: a step slowed by something else on the
-    machine (another process on shared cores, a page fault) moves it by one rank, where in a
-    moving average the first such sample would weigh most of the decision."""
+    """A mode's rate over its last ``WINDOW`` steps: their tokens over their seconds, leaving out
+    the slowest eighth of them (at least one) by step time. A step slowed by something else on
+    the machine (another process on shared cores) is left out, where in a moving average the
+    first such sample would weigh most of the decision; tokens are summed, not a median taken,
+    because a speculative step's tokens vary from 1 to k + 1 and throughput is their mean."""
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
 
-    def add(self, x: float) -> None:
-        self.recent.append(x)
+    def add(self, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
         self.samples += 1
 
     @property
     def value(self) -> float:
-        return statistics.median(self.recent) if self.recent else 0.0
+        if not self.recent:
+            return 0.0
+        kept = sorted(self.recent, key=lambda ts: ts[1])
+        if len(kept) > 2:
+            kept = kept[:len(kept) - max(1, len(kept) // 8)]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
 
 @dataclass
@@ -142,7 +148,7 @@ class SpecGuard:
             self._last_spec[key[0]] = self._steps.get(key[0], 0)
         if seen <= self.skip_first:
             return
-        self._rates.setdefault(key, _Rate()).add(tokens / seconds)
+        self._rates.setdefault(key, _Rate()).add(tokens, seconds)
 
     def rates(self) -> dict[str, float]:
         """The measured tokens/s by bucket and mode (for logs and benchmarks)."""
