@@ -52,22 +52,27 @@ class _Rate:
     the slowest eighth of them (at least one) by step time. A step slowed by something else on
     the machine (another process on shared cores) is left out, where in a moving average the
     first such sample would weigh most of the decision; tokens are summed, not a median taken,
-    because a speculative step's tokens vary from 1 to k + 1 and throughput is their mean."""
+    because a speculative step's tokens vary from 1 to k + 1 and throughput is their mean.
+    Seconds the mode paid between its steps (``pending``: see SpecGuard.charge) count with the
+    step that follows them and are never left out."""
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
+    pending: float = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.recent.append((tokens, seconds))
+        self.recent.append((tokens, seconds, self.pending))
+        self.pending = 0.0
         self.samples += 1
 
     @property
     def value(self) -> float:
         if not self.recent:
             return 0.0
-        kept = sorted(self.recent, key=lambda ts: ts[1])
+        kept = sorted(self.recent, key=lambda entry: entry[1])
         if len(kept) > 2:
             kept = kept[:len(kept) - max(1, len(kept) // 8)]
-        return sum(t for t, _ in kept) / sum(s for _, s in kept)
+        charged = sum(c for _, _, c in self.recent)
+        return sum(t for t, _, _ in kept) / (sum(s for _, s, _ in kept) + charged)
 
 
 @dataclass
@@ -137,6 +142,14 @@ class SpecGuard:
             if both is not None:
                 return both[1].value > both[0].value
         return False
+
+    def charge(self, batch_size: int, seconds: float) -> None:
+        """Speculation at ``batch_size`` cost ``seconds`` outside the steps it is measured by: a
+        device proposer's pass over the prompts of the sequences it follows and its mirroring
+        of their plain steps. They count against the speculative rate with its next step."""
+        if self.disable_by_batch_size is not None or seconds <= 0 or batch_size <= 0:
+            return
+        self._rates.setdefault((_bucket(batch_size), True), _Rate()).pending += seconds
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A step of ``batch_size`` sequences emitted ``tokens`` in ``seconds``."""

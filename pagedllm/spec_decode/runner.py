@@ -119,6 +119,8 @@ class SpecRunner:
                 new_token=samples[-1].token_id if samples and s.num_spec_tokens else
                 (samples[0].token_id if samples else None),
                 num_drafts=s.num_lookahead if samples else 0))
+        if not mirror:  # nothing followed: no pass (an EAGLE-3 head fuses its features first)
+            return
         drafts = self.proposer.propose(mirror, hidden)
         for i, s in enumerate(seqs):
             if s.seq_id in drafts:

@@ -1,7 +1,8 @@
 """The guard inside the engine: a plain step is judged without the time the device proposer
 spent mirroring it (the rate to beat is plain decoding with the proposer off, which the stepper
-switches to), measured by the worker's runner on a real step of the demo model and its
-shipped draft model."""
+switches to), and that time and the proposer's pass over new prompts are charged to
+speculation, measured by the worker's runner on real steps of the demo model and its shipped
+draft model."""
 from __future__ import annotations
 
 from pagedllm import LLM, SamplingParams
@@ -27,8 +28,13 @@ def test_plain_steps_are_recorded_without_the_proposer_time() -> None:
         return outputs
 
     steps: list[tuple[bool, float, float, float]] = []  # (plain, step s, recorded s, proposer s)
-    measure, record = stepper._measure, stepper.guard.record
+    measure, record, charge = stepper._measure, stepper.guard.record, stepper.guard.charge
     seen: dict[str, float] = {}
+    charged: list[float] = []
+
+    def spy_charge(batch_size, seconds):
+        charged.append(seconds)
+        return charge(batch_size, seconds)
 
     def spy_record(batch_size, speculated, tokens, seconds):
         seen["seconds"] = seconds
@@ -41,7 +47,8 @@ def test_plain_steps_are_recorded_without_the_proposer_time() -> None:
             plain = not any(s.num_spec_tokens for s in sched.batch.seqs)
             steps.append((plain, seconds, seen["seconds"], proposer_s[-1]))
 
-    runner.execute, stepper._measure, stepper.guard.record = spy_execute, spy_measure, spy_record
+    (runner.execute, stepper._measure, stepper.guard.record,
+     stepper.guard.charge) = spy_execute, spy_measure, spy_record, spy_charge
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     llm.shutdown()
@@ -52,3 +59,7 @@ def test_plain_steps_are_recorded_without_the_proposer_time() -> None:
     # speculative steps are judged whole (their proposer time is the price of the drafts)
     assert all(rec == step for plain, step, rec, _ in steps if not plain)
     assert any(not plain for plain, *_ in steps)
+    # the proposer's pass over the prompts and its mirroring of plain steps count against
+    # speculation: every second of proposer time outside speculative steps is charged
+    plain_mirror = sum(min(p, step / 2) for plain, step, _, p in steps if plain)
+    assert sum(charged) > plain_mirror > 0

@@ -60,6 +60,7 @@ class SpecStepper(Stepper):
         # UNFOLLOW_AFTER the proposer stops following every sequence: no mirror cost)
         self._follow: dict[int, bool] = {}
         self._off_streak = 0
+        self._decode_batch = 0  # the batch the last scheduled step's sequences decode in
 
     # --- limits ----------------------------------------------------------------------------
     def _room(self, group: SequenceGroup, seq: Sequence, length: int) -> int:
@@ -114,7 +115,8 @@ class SpecStepper(Stepper):
         """After ``sch`` scheduled a non-empty step: what the device proposer follows, its
         lookahead slots, the host-side inputs."""
         if self.ngram is None:
-            self._mark_followed(sched, speculate, self._decode_batch_size(sch))
+            self._decode_batch = self._decode_batch_size(sch)
+            self._mark_followed(sched, speculate, self._decode_batch)
             if speculate:
                 self._reserve_lookahead(sch, sched)
         self._prepare(sched)
@@ -183,18 +185,24 @@ class SpecStepper(Stepper):
 
     def _measure(self, sched: SchedulerOutput, outputs: list[SeqOutput], seconds: float,
                  batch_size: int) -> None:
-        """Steps of decodes only feed the guard (a prompt's prefill would swamp them); a plain
-        step counts without the time the device proposer spent mirroring it (the guard weighs
-        speculation against plain decoding with the proposer off, which is what it switches
-        to: after UNFOLLOW_AFTER steps preferring plain nothing is mirrored)."""
+        """Steps of decodes only feed the guard (a prompt's prefill would swamp them). What the
+        device proposer spends outside speculative steps is charged to speculation: its pass
+        over new prompts (at the batch they will decode in) and its mirroring of plain steps,
+        which are recorded without it (the guard weighs speculation against plain decoding with
+        the proposer off, which is what it switches to: after UNFOLLOW_AFTER steps preferring
+        plain nothing is mirrored)."""
         verified = any(s.num_spec_tokens for s in sched.batch.seqs)
         if verified:
             self.metrics.num_spec_steps += 1
         else:
             self.metrics.num_plain_steps += 1
+        proposer_s = outputs[0].proposer_s if outputs else 0.0
         if any(s.num_tokens - s.num_spec_tokens > 1 for s in sched.batch.seqs):
+            self.guard.charge(self._decode_batch, proposer_s)
             return
         tokens = sum(len(o.samples) for o in outputs)
-        if not verified and outputs:
-            seconds -= min(outputs[0].proposer_s, seconds / 2)
+        if not verified:
+            mirror = min(proposer_s, seconds / 2)
+            seconds -= mirror
+            self.guard.charge(batch_size, mirror)
         self.guard.record(batch_size, verified, tokens, seconds)
