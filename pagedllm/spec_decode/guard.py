@@ -143,6 +143,19 @@ class SpecGuard:
                 return both[1].value > both[0].value
         return False
 
+    def new_sequences(self, batch_size: int) -> None:
+        """New sequences join a batch of ``batch_size``. Below 8 sequences, where one prompt's
+        drafts decide a bucket's measurement, a speculation rate that lost to plain is
+        forgotten: acceptance belongs to the prompt, so the newcomers' drafts are measured
+        afresh (a few steps) instead of being judged by the last prompt's."""
+        if self.disable_by_batch_size is not None or batch_size <= 0:
+            return
+        b = _bucket(batch_size)
+        both = self._measured(b) if b <= CLOSE_BUCKETS else None
+        if both is not None and both[1].value > both[0].value:
+            self._rates.pop((b, True), None)
+            self._last_spec[b] = self._steps.get(b, 0)
+
     def charge(self, batch_size: int, seconds: float) -> None:
         """Speculation at ``batch_size`` cost ``seconds`` outside the steps it is measured by: a
         device proposer's pass over the prompts of the sequences it follows and its mirroring

@@ -136,3 +136,19 @@ def test_what_speculation_pays_outside_its_steps_counts_against_it() -> None:
             g.charge(32, 0.020)
         g.record(32, s, 15 if s else 14, 0.010)
     assert on / 640 < 0.15
+
+
+def test_a_new_prompt_at_a_small_batch_is_measured_afresh() -> None:
+    """At batch 1 a prompt whose drafts are rejected turns speculation off; the next request's
+    drafts may match well, so its arrival forgets the lost measurement (below 8 sequences),
+    while a large batch keeps its verdict."""
+    g = SpecGuard()
+    assert _run(g, 1, spec_rate=50, plain_rate=100, steps=64) < 0.3
+    assert not g.prefers(1)
+    g.new_sequences(1)
+    assert g.prefers(1)
+    assert _run(g, 1, spec_rate=250, plain_rate=100, steps=64) > 0.8
+    h = SpecGuard()
+    _run(h, 32, spec_rate=50, plain_rate=100, steps=64)
+    h.new_sequences(32)
+    assert not h.prefers(32)

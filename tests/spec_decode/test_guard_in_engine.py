@@ -63,3 +63,21 @@ def test_plain_steps_are_recorded_without_the_proposer_time() -> None:
     # speculation: every second of proposer time outside speculative steps is charged
     plain_mirror = sum(min(p, step / 2) for plain, step, _, p in steps if plain)
     assert sum(charged) > plain_mirror > 0
+
+
+def test_a_new_request_alone_is_speculated_again_after_a_hard_one() -> None:
+    """The guard measured speculation slower at batch 1 (a prompt whose drafts were rejected):
+    the next request is still followed by the proposer and speculates, measured afresh."""
+    llm = LLM(DEMO_DIR, device="cpu", dtype="float32", seed=0, max_num_seqs=1,
+              speculative_config={"method": "draft", "num_speculative_tokens": 2})
+    stepper = llm.llm_engine.stepper
+    guard = stepper.guard
+    for _ in range(guard.skip_first + guard.min_samples + 2):  # speculation lost at batch 1
+        guard.record(1, True, 1, 0.010)
+        guard.record(1, False, 1, 0.001)
+    assert not guard.prefers(1)
+    before = stepper.metrics.num_spec_steps
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    llm.shutdown()
+    assert stepper.metrics.num_spec_steps - before >= guard.min_samples

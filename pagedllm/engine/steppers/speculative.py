@@ -138,6 +138,8 @@ class SpecStepper(Stepper):
         step, one in ``explore_every``, would otherwise reset it before it ever ran out.)"""
         for seq_id in sched.batch.finished_seq_ids:
             self._follow.pop(seq_id, None)
+        if any(s.seq_id not in self._follow for s in sched.batch.seqs):
+            self.guard.new_sequences(batch_size)  # small batches: their drafts measured afresh
         prefer = self.guard.prefers(batch_size)
         self._off_streak = 0 if prefer else self._off_streak + 1
         if self._off_streak == UNFOLLOW_AFTER:
