@@ -24,8 +24,9 @@ document is mostly evicted before it is asked again. Configurations, each in a f
 ``host`` (kv_offload_size sized to hold every block of the run) and ``disk`` (only a disk tier
 of that size, kv_offload_disk in --disk-dir; default a folder beside the model cache, on the
 local disk, not tmpfs) and ``device`` (no tier, a device cache that holds every block: the
-documents asked again are ordinary prefix hits). Each is warmed up with other documents (each asked twice, the second
-pass coming from its tier), then runs the requests one at a time in the shuffled order:
+documents asked again are ordinary prefix hits). Each is warmed up with other documents (each
+asked twice, the second pass coming from its tier), then runs the requests one at a time in the
+shuffled order:
 TTFT of a request = the wall time from LLMEngine.add_request to the end of the engine step that
 returns its first output token (nothing else is queued, so it is the prefill or the tier load
 plus the question's prefill, and one sampling step); throughput = requests (and prompt + output
@@ -201,7 +202,7 @@ def run_offload(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any
 
 def copy_limit(nbytes: int) -> str:
     """The machine's limit for a tier hit on cuda: a pinned host -> device copy of ``nbytes``
-    (one document's KV), best of 5, measured after the configurations ran."""
+    (one document's KV), the best of 6, measured after the configurations ran."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

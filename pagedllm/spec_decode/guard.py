@@ -11,23 +11,28 @@ mode is over ``FAR_AHEAD`` times the other) so a bucket follows changes (a workl
 drafts stop matching, a batch that grew). A bucket with no measurement of a mode tries it
 first.
 
-Two things keep one bad measurement from switching speculation off for good:
-- a mode's first step in a bucket is not counted (it pays one-time costs: new GEMM shapes,
+What keeps one bad measurement from deciding for long:
+- a mode's first steps in a bucket are not counted (they pay one-time costs: new GEMM shapes,
   kernel selection, the proposer's first forward) — ``skip_first``;
 - a device proposer (draft model, EAGLE) only drafts for sequences it follows, and the stepper
   stops following while the guard prefers no speculation, so exploration steps then carry no
   drafts and speculation is never measured again; a bucket whose speculation measurement is
   older than ``remeasure_after`` of its steps (a quarter of that below 8 sequences when it was
-  within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh.
+  within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh;
+- below 8 sequences a new request makes a bucket forget a speculation rate that lost to plain
+  (``new_sequences``): acceptance belongs to the prompt, not to the bucket.
 
 A bucket that has not measured speculation yet takes the verdict of the nearest smaller bucket
 that measured both modes when that verdict is "plain": speculation's gain only shrinks as the
 batch grows (the drafts' extra query tokens cost more once a step is compute-bound), so a
 larger batch does not pay to learn what a smaller one already showed (vLLM's
 ``disable_by_batch_size`` rests on the same order). The smaller bucket's own re-measurement
-lifts it. Plain steps are judged without the device proposer's time (the stepper subtracts
-what the proposer spent mirroring them): the rate to beat is that of plain decoding with the
-proposer switched off, which is what the stepper switches to.
+lifts it.
+
+What a device proposer costs outside speculative steps counts against speculation
+(``charge``): its pass over the prompts of the sequences it follows and its mirroring of their
+plain steps. Plain steps are recorded without that mirroring, so the rate to beat is plain
+decoding with the proposer off, which is what the stepper switches to.
 """
 from __future__ import annotations
 
