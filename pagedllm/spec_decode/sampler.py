@@ -21,7 +21,7 @@ from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.logits_controls import apply_logits_controls
 from pagedllm.worker.sampler import (Sampler, SampleRow, _apply_min_tokens, _apply_penalties,
-                                     _apply_top_k_top_p_min_p, _seeded_generator,
+                                     _apply_top_k_top_p_min_p, _plain_greedy, _seeded_generator,
                                      generator_device)
 
 
@@ -103,6 +103,8 @@ class VerifySampler:
         to back, in ``verify`` order -> the tokens each row emits (1 to len(drafts) + 1)."""
         if not verify:
             return []
+        if self.sampler.greedy_logprobs is not None and all(_plain_greedy(v.row) for v in verify):
+            return self._greedy(logits, verify)
         device, vocab = logits.device, logits.shape[1]
         expanded = [p for v in verify for p in position_rows(v)]
         processed, logprobs = self.target_logits(logits, expanded)
@@ -144,6 +146,30 @@ class VerifySampler:
                                             vals[j][i][:v.row.params.logprobs]):
                             top.setdefault(tok, val)
                 samples.append(Sample(t, chosen_h[j][i], top))
+            result.append(samples)
+        return result
+
+    def _greedy(self, logits: torch.Tensor, verify: list[VerifyRow]) -> list[list[Sample]]:
+        """Every row plain greedy (no penalties, min_tokens reached, at most the chosen token's
+        logprob): what rejection sampling decides for a greedy target, from the plain
+        sampler's op (one argmax + logprob kernel, one read back): a sequence emits the
+        target's argmax at each position up to and including the first that differs from
+        its draft (all k + 1 when every draft matches). Draft distributions play no part."""
+        expanded = [p for v in verify for p in position_rows(v)]
+        logits = apply_logits_controls(logits, expanded, None, self.sampler.apply_token_bitmask)
+        assert self.sampler.greedy_logprobs is not None
+        tokens_d, chosen_d = self.sampler.greedy_logprobs(logits)
+        tokens, chosen = tokens_d.tolist(), chosen_d.tolist()
+        result: list[list[Sample]] = []
+        at = 0
+        for v in verify:
+            samples = []
+            for i in range(len(v.drafts) + 1):
+                t, lp = tokens[at + i], chosen[at + i]
+                samples.append(Sample(t, lp, None if v.row.params.logprobs is None else {t: lp}))
+                if i == len(v.drafts) or t != v.drafts[i]:
+                    break
+            at += len(v.drafts) + 1
             result.append(samples)
         return result
 

@@ -5,7 +5,9 @@ rejection sampler, then the device proposer's drafts for the next step.
 ops and attention are the backend's; this adds the proposer (its model and KV cache, sized in
 the same block budget), applies the step's block copies and swaps to the proposer's cache too,
 and runs steps through ``SpecRunner`` (spec_decode/runner.py; a pipeline stage's:
-spec_decode/pipeline.py). The step runs eagerly (no graphs).
+spec_decode/pipeline.py). Decode-only steps (plain and verification) run on the static buffers
+the backend's worker leaves in ``spec_graphs`` (spec_decode/graphs.py; the cuda worker captures
+them); other steps, and every step without them, run eagerly.
 """
 from __future__ import annotations
 
@@ -79,6 +81,11 @@ class SpecWorkerMixin:
             self.ve_proposer_host: list[list[torch.Tensor]] = [
                 [] for _ in range(self.num_virtual_engines)]  # type: ignore[attr-defined]
             self.proposer.kv_caches = self.ve_proposer_caches[0]
+        self.spec_runner.graphs = getattr(self, "spec_graphs", None)
+
+    def release_device_memory(self) -> None:
+        self.spec_runner.graphs = None  # they hold the caches and their memory pool
+        super().release_device_memory()  # type: ignore[misc]
 
     def _proposer_host(self, virtual_engine: int = 0) -> list[torch.Tensor]:
         assert self.proposer is not None

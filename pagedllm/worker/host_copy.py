@@ -14,7 +14,8 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _can_pin() -> bool:
+def can_pin() -> bool:
+    """Whether pinned host memory can be allocated (an accelerator runtime is present)."""
     try:
         torch.empty(1, pin_memory=True)
         return True
@@ -23,6 +24,6 @@ def _can_pin() -> bool:
 
 
 def to_device(data: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if device.type == "cpu" or not _can_pin():
+    if device.type == "cpu" or not can_pin():
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

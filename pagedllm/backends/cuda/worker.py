@@ -8,6 +8,7 @@ import torch
 from pagedllm.backends.cuda.attention import CudaPagedAttention
 from pagedllm.backends.cuda.graphs import DecodeGraphs, context_buckets, graph_batch_sizes
 from pagedllm.core.batch import ScheduledBatch, SeqOutput
+from pagedllm.spec_decode.graphs import SpecStepGraphs
 from pagedllm.worker.pending import PendingOutputs
 from pagedllm.worker.worker import Worker
 
@@ -21,6 +22,8 @@ DECODE_BUCKETS = (256, 512)
 
 class CudaWorker(Worker):
     graphs: DecodeGraphs | None = None
+    # with speculative decoding: its runner's steps (decode and verification) instead
+    spec_graphs: SpecStepGraphs | None = None
 
     def select_device(self) -> torch.device:
         # one device per rank of the whole world (pp_rank * tp_size + tp_rank) on one host
@@ -54,14 +57,34 @@ class CudaWorker(Worker):
         max_len = self.config.model.max_model_len
         # the csrc/ decode kernel's launch follows the context bucket; torch attention's does not
         shorter = DECODE_BUCKETS if self.attn_cls is CudaPagedAttention else ()
+        if self.config.speculative_config is not None:
+            self._capture_spec_graphs(sizes, context_buckets(max_len, shorter))
+            return
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.cache.block_size,
                                    max_len, sizes, self.device, context_buckets(max_len, shorter))
         self.graphs.capture()
         self.counters["graph_captures"] += len(self.graphs.graphs)
 
+    def _capture_spec_graphs(self, sizes: list[int], buckets: list[int]) -> None:
+        """The speculative runner's decode-only steps: q = 1 at every decode size and context
+        bucket, q = k + 1 (verification) up to MAX_VERIFY_GRAPH_BATCH with the csrc/ attention
+        (its Triton prefill reads the step's lengths on the device; torch attention's does not)."""
+        from pagedllm.backends.cuda import spec_graphs
+
+        assert self.model is not None
+        verify = spec_graphs.verify_graph_sizes(sizes) if self.attn_cls is CudaPagedAttention else []
+        aux = getattr(getattr(self, "proposer", None), "aux_states", None)
+        self.spec_graphs = SpecStepGraphs(
+            self.model, self.kv_caches, self.config.cache.block_size,
+            self.config.model.max_model_len,
+            self.config.speculative_config.num_speculative_tokens, sizes, verify, self.device,
+            buckets, aux)
+        spec_graphs.capture(self.spec_graphs)
+        self.counters["graph_captures"] += len(self.spec_graphs.graphs)
+
     def release_device_memory(self) -> None:
         # the graphs hold the model, the caches and their memory pool
-        self.graphs = None
+        self.graphs = self.spec_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
