@@ -23,6 +23,7 @@ HOST, DISK = "host", "disk"
 class OffloadingConnector(KVConnector):
     name: ClassVar[str] = "OffloadingConnector"
     worker_class: ClassVar[str] = "pagedllm.kv_offload.stores:OffloadingWorker"
+    step_stores: ClassVar[frozenset[str]] = frozenset({HOST})  # the worker's own memory
 
     def __init__(self, config: Any, slots: dict[str, int]) -> None:
         super().__init__(config, slots)

@@ -34,27 +34,35 @@ class KVStepOps:
     before the save that reuses its slot): ``("save", store, device_block, slot)`` or
     ``("move", src_store, src_slot, dst_store, dst_slot)``. ``loads`` start after the swaps:
     ``(store, slot, device_block)``; they overlap the step's forward and are complete (or
-    failed) before the worker's next step, or when ``take_load_results`` asks."""
+    failed) before the worker's next step, or when ``take_load_results`` asks.
+    ``ready_loads`` (same form, from a connector's ``step_stores``) run after the swaps too,
+    ordered before the step's forward on the device: the step's sequences read them."""
 
     stores: list[tuple] = field(default_factory=list)
     loads: list[tuple[str, Slot, int]] = field(default_factory=list)
+    ready_loads: list[tuple[str, Slot, int]] = field(default_factory=list)
     # (key, store, slot, device_block) of each load, kept on the engine's side (not sent)
     load_keys: list[tuple[Key, str, Slot, int]] = field(default_factory=list, repr=False)
+    # (key, store, connector) of each ready load: unpinned once the step has run (not sent)
+    ready_keys: list[tuple[Key, str, Any]] = field(default_factory=list, repr=False)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads)
+        return bool(self.stores or self.loads or self.ready_loads)
 
     def extend(self, other: KVStepOps) -> None:
         self.stores += other.stores
         self.loads += other.loads
+        self.ready_loads += other.ready_loads
         self.load_keys += other.load_keys
+        self.ready_keys += other.ready_keys
 
     def for_workers(self) -> KVStepOps:
         """The moves alone (what crosses to worker processes)."""
-        return KVStepOps(list(self.stores), list(self.loads))
+        return KVStepOps(list(self.stores), list(self.loads), list(self.ready_loads))
 
     def __getstate__(self) -> dict:
-        return {"stores": self.stores, "loads": self.loads, "load_keys": []}
+        return {"stores": self.stores, "loads": self.loads, "ready_loads": self.ready_loads,
+                "load_keys": [], "ready_keys": []}
 
 
 class KVConnector(ABC):
@@ -69,6 +77,10 @@ class KVConnector(ABC):
     # the worker side: a "module:Class" whose constructor takes (config, spec, layout) and
     # which opens this connector's stores (kv_transfer/worker_side.py)
     worker_class: ClassVar[str]
+    # stores whose loads cannot fail once issued (memory of this process): a sequence whose
+    # prefix continues only in them is admitted in the step that loads it, the loads queued
+    # on the device before that step's forward (``KVStepOps.ready_loads``)
+    step_stores: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: Any, slots: dict[str, int]) -> None:
         self.config = config

@@ -71,7 +71,7 @@ class KVTransferEngine:
         and at idle the landed blocks are unpinned."""
         ops = done.sched.batch.kv_ops if done is not None else None
         failed: list = []
-        if ops is not None and ops.loads:
+        if ops is not None and (ops.loads or ops.ready_loads):
             for rank_failed, seconds in self.executor.kv_connector_call("take_load_results"):
                 failed += rank_failed
                 self.load_seconds += seconds

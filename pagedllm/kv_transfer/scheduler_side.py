@@ -7,6 +7,9 @@ tiers, transfer). No torch here.
   (``land``) the loaded blocks enter the prefix cache under their keys, so the next schedule
   admits the sequence with them as ordinary prefix hits. A failed load is dropped (its block
   unregistered, the connector forgets the key) and the engine computes the block instead.
+  When every such block is in a store that cannot fail (``KVConnector.step_stores``: the host
+  tier), the blocks enter the prefix cache at once and the sequence is admitted in this step;
+  its loads run before the step's forward (``KVStepOps.ready_loads``).
 - Blocks are pinned (a reference held here) from the load until the end of the schedule after
   it landed, so nothing evicts them before their sequence is admitted; then they are ordinary
   cached blocks.
@@ -111,6 +114,9 @@ class KVConnectorManager:
         rest = _cdiv(len(seq), bm.block_size) - len(hits) - len(plan)
         if bm.device.num_available - new - revived - rest < bm.watermark_blocks:
             return True
+        # every block from a store that cannot fail: loaded before this step's forward, so
+        # the sequence is admitted now with them as prefix hits
+        now = all(found is not None and found[1] in found[0].step_stores for _, found in plan)
         for block in hits:  # the prefix stays resident while the rest loads
             bm.device.incref(block)
             self._pinned.append(block)
@@ -124,11 +130,18 @@ class KVConnectorManager:
             else:
                 connector, store, slot = found
                 block = bm.device.allocate()  # may evict: its save precedes the load
-                self._ops.loads.append((store, slot, block))
-                self._ops.load_keys.append((key, store, slot, block))
-                self._loading[key] = (block, connector)
+                if now:
+                    self._ops.ready_loads.append((store, slot, block))
+                    self._ops.ready_keys.append((key, store, connector))
+                    connector.loaded(key, store)
+                    self.counters[f"loaded:{store}"] += 1
+                    bm.device.register(block, key)
+                else:
+                    self._ops.loads.append((store, slot, block))
+                    self._ops.load_keys.append((key, store, slot, block))
+                    self._loading[key] = (block, connector)
             self._pinned.append(block)
-        return False
+        return now
 
     # --- the step -----------------------------------------------------------------------
     def _count_saves(self, ops: KVStepOps) -> None:
@@ -156,8 +169,10 @@ class KVConnectorManager:
     def land(self, ops: KVStepOps | None, failed: list[tuple[str, Any, int]]) -> None:
         """The step that carried ``ops`` has run: its loaded blocks enter the prefix cache,
         except ``failed`` ones ((store, slot, block) the worker could not load)."""
-        if ops is None or not ops.load_keys:
+        if ops is None or not (ops.load_keys or ops.ready_keys):
             return
+        for key, store, connector in ops.ready_keys:  # registered when issued
+            connector.unpin(key, store)
         bad = {block for _, _, block in failed}
         for key, store, slot, block in ops.load_keys:
             connector = self._loading.pop(key)[1]

@@ -14,6 +14,10 @@ slots as a tensor (``BlockStore.view``); a save exports straight into it and a l
 straight from it, with no staging buffer and no host copy (a 4k-token document of an 8B model is
 512 MB: the host copies were most of a load's time on a GPU). A direct save first waits for the
 queued jobs that touch its slots; its I/O job only waits for the export, keeping the order.
+
+Ready loads (``KVStepOps.ready_loads``: a store that cannot fail, the host tier) run in the
+worker's own thread after the queued jobs on their slots, queued on the device and fenced
+before the step's forward, which reads them (the sequence was admitted in this step).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.contract.cache_ops import CacheOps
+from pagedllm.contract.cache_ops import CacheOps, CacheTransfer
 from pagedllm.kv_transfer.base import KVStepOps, Slot
 
 logger = logging.getLogger(__name__)
@@ -174,6 +178,7 @@ class KVWorkerRunner:
         self._writes: list[tuple[Future, int, set]] = []
         self._loads: list[tuple[Future, str, list[tuple]]] = []
         self._failed: list[tuple[str, Slot, int]] = []
+        self._ready: list[CacheTransfer] = []  # ready loads queued on the device
         self.counters: Counter[str] = Counter()  # bytes/blocks saved, loaded, failed per store
         self.load_seconds: list[float] = []  # per load group: store read + import, not taken
 
@@ -194,9 +199,12 @@ class KVWorkerRunner:
                 self._move(run[0][1], [op[2] for op in run], run[0][3], [op[4] for op in run])
 
     def after_moves(self, ops: KVStepOps | None, caches: list[torch.Tensor]) -> None:
-        """Start ``ops.loads`` (after the step's swaps); they overlap the forward."""
-        if ops is None or not ops.loads:
+        """Queue ``ops.ready_loads`` before the forward, and start ``ops.loads`` (after the
+        step's swaps); the latter overlap the forward."""
+        if ops is None:
             return
+        for run in _runs(ops.ready_loads, key=lambda op: op[0]):
+            self._load_ready(run[0][0], [op[1] for op in run], [op[2] for op in run], caches)
         for run in _runs(ops.loads, key=lambda op: op[0]):
             store = run[0][0]
             fut = self._io.submit(self._load, store, [op[1] for op in run],
@@ -281,6 +289,36 @@ class KVWorkerRunner:
         self.load_seconds.append(time.perf_counter() - start)
         del self.load_seconds[:-LATENCY_SAMPLES]  # nobody asks: keep the latest only
         return bad
+
+    def _load_ready(self, store: str, slots: list[Slot], blocks: list[int],
+                    caches: list[torch.Tensor]) -> None:
+        """Import ``slots`` into ``blocks`` ahead of the step's forward: queued on the device
+        (``fence``), the host not blocked; after the queued writes to those slots. Its
+        latency sample is the host's time to queue it (what it adds to the step's start)."""
+        start = time.perf_counter()
+        source = self.stores[store]
+        self._wait_for({(store, s) for s in slots})
+        self._ready = [t for t in self._ready if not t.done()]
+        staged: list[int] = []
+        for first, slot, count, down in slot_runs(slots):
+            view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
+            if view is None:
+                staged += range(first, first + count)
+                continue
+            transfer = self.cache_ops.import_blocks(view, caches,
+                                                    _run_blocks(blocks, first, count, down))
+            transfer.fence()
+            self._ready.append(transfer)  # holds its buffers until done
+        if staged:
+            rows = self.layout.staging(len(staged))
+            source.read([slots[i] for i in staged], rows)
+            ids = torch.tensor([blocks[i] for i in staged], dtype=torch.int64)
+            transfer = self.cache_ops.import_blocks(rows, caches, ids)
+            transfer.fence()
+            self._ready.append(transfer)
+        self.counters[f"loaded_blocks:{store}"] += len(blocks)
+        self.load_seconds.append(time.perf_counter() - start)
+        del self.load_seconds[:-LATENCY_SAMPLES]
 
     def _load_staged(self, source: BlockStore, slots: list[Slot], blocks: list[int],
                      caches: list[torch.Tensor]) -> list[int]:

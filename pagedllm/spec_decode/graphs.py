@@ -1,11 +1,14 @@
 """Static-shape target steps for speculative decoding, replayed from captured graphs.
 
 A step whose sequences are all decoding runs as ``size`` sequences x ``q`` query rows: q = 1
-when none carries drafts (plain decode rows, the decode path of the attention), q = k + 1 when
-some do (verification chunks, the prefill-over-context path; a sequence with fewer drafts, or
-none, is padded to q rows). A pad row writes no KV (slot -1) and sits after its sequence's real
-rows, so causal attention keeps it out of every real row; a padded sequence (rows past the
-step's B up to the captured ``size``) has no context. The forward writes the hidden states, the
+when none carries drafts (plain decode rows), q = k + 1 when some do (verification chunks; a
+sequence with fewer drafts, or none, is padded to q rows). Every row runs the attention's
+decode path: row j of a sequence is a decode of length ``position + 1`` over the sequence's
+block table, and the step's KV is written before attention reads the cache, so each row sees
+its context and the rows before it (causal) with the decode kernel's split over the context
+(the prefill kernel runs one program per sequence and head: a handful at batch 1). A pad row
+writes no KV (slot -1) and comes after its sequence's real rows, which therefore never read
+it; a padded sequence (rows past the step's B up to the captured ``size``) has no context. The forward writes the hidden states, the
 logits of every row and, for an EAGLE-3 head, the target's auxiliary states into buffers shared
 by all graphs; a step gathers its real rows back into the packed layout ``SpecRunner`` uses.
 
@@ -38,9 +41,8 @@ class SpecStepGraphs:
     """The target's forward for decode-only speculative steps, on static buffers.
 
     ``sizes``: batch sizes with plain-decode (q = 1) graphs; ``verify_sizes``: with
-    verification (q = k + 1) graphs; ``context_lens``: the decode graphs' context buckets (the
-    decode kernel's launch follows the bucket; verification reads its context lengths on the
-    device, one bucket). ``aux``: an EAGLE-3 head's ``AuxHiddenStates`` (its hooks fire while
+    verification (q = k + 1) graphs; ``context_lens``: context buckets of both (the decode
+    kernel's launch follows the bucket). ``aux``: an EAGLE-3 head's ``AuxHiddenStates`` (its hooks fire while
     capturing; a replay restores its states from the shared buffers)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
@@ -63,17 +65,19 @@ class SpecStepGraphs:
         self.width = -(-max_model_len // block_size)
         m = self.max_rows
         # int64 rows: ids | positions | slots | gather (real rows in the packed order) | logit
-        # rows (the caller's rows); int32: seq lens | context lens | block tables [max_b, width]
-        # (row-major: a step of B sequences copies the first B * width entries)
+        # rows (the caller's rows); int32: seq lens | block tables [max_b, width] (row-major:
+        # a step of B sequences copies the first B * width entries)
         self._rows64 = torch.zeros(5 * m, dtype=torch.int64, device=device)
-        self._seq32 = torch.zeros(2 * max_b + max_b * self.width, dtype=torch.int32,
-                                  device=device)
+        self._seq32 = torch.zeros(max_b + max_b * self.width, dtype=torch.int32, device=device)
         self.input_ids, self.positions = self._rows64[:m], self._rows64[m:2 * m]
         self.slots, self.gather = self._rows64[2 * m:3 * m], self._rows64[3 * m:4 * m]
         self.logit_rows = self._rows64[4 * m:]
-        self.seq_lens, self.ctx_lens = self._seq32[:max_b], self._seq32[max_b:2 * max_b]
-        self.block_tables = self._seq32[2 * max_b:].view(max_b, self.width)
-        self.query_start = torch.arange(max_b + 1, dtype=torch.int32, device=device) * self.q
+        self.seq_lens = self._seq32[:max_b]
+        self.block_tables = self._seq32[max_b:].view(max_b, self.width)
+        # verification rows: each row's length and its sequence's table (filled in the graph)
+        rows = max([b * self.q for b in self.verify_sizes[-1:]], default=0)
+        self.row_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.row_tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
         pin = device.type != "cpu" and can_pin()
         self._host64 = torch.zeros(5 * m, dtype=torch.int64, pin_memory=pin)
         self._host32 = torch.zeros_like(self._seq32, device="cpu", pin_memory=pin)
@@ -110,10 +114,10 @@ class SpecStepGraphs:
             return None
         sizes = self.sizes if q == 1 else self.verify_sizes
         size = sizes[bisect.bisect_left(sizes, len(seqs))]
-        bucket = self.max_model_len
-        if q == 1:
-            longest = max(s.seq_len for s in seqs)
-            bucket = self.context_lens[bisect.bisect_left(self.context_lens, longest)]
+        # the longest row: a sequence's last, or its last pad row
+        longest = min(max(s.seq_len if q == 1 else s.start_pos + q for s in seqs),
+                      self.max_model_len)
+        bucket = self.context_lens[bisect.bisect_left(self.context_lens, longest)]
         if self.graphs and (size, q, bucket) not in self.graphs:
             return None  # its capture failed (logged): eager
         real = self._fill(seqs, rows, size, q)
@@ -138,7 +142,7 @@ class SpecStepGraphs:
         the block tables' rows); returns the number of real rows."""
         m, bs, last = self.max_rows, self.block_size, self.max_model_len - 1
         ids, pos, slots, gather = [0] * (size * q), [0] * (size * q), [-1] * (size * q), []
-        seq_lens, ctx = [1 if q == 1 else q] * size, [0] * size
+        seq_lens = [1] * size
         for i, s in enumerate(seqs):
             table, base = s.block_table, i * q
             for j, (t, p) in enumerate(zip(s.token_ids, range(s.start_pos, s.seq_len))):
@@ -147,8 +151,7 @@ class SpecStepGraphs:
                 gather.append(base + j)
             for j in range(s.num_tokens, q):  # pad rows: after the real ones, no KV written
                 pos[base + j] = min(s.seq_len + j - s.num_tokens, last)
-            seq_lens[i] = s.seq_len if q == 1 else s.start_pos + q
-            ctx[i] = s.start_pos
+            seq_lens[i] = s.seq_len
         h64, n = self._host64, size * q
         for part, values in enumerate((ids, pos, slots)):
             h64[part * m:part * m + n] = torch.tensor(values, dtype=torch.int64)
@@ -160,43 +163,39 @@ class SpecStepGraphs:
         self._rows_are_leading = logit_rows == list(range(len(logit_rows)))
         h32, max_b = self._host32, self.seq_lens.shape[0]
         h32[:size] = torch.tensor(seq_lens, dtype=torch.int32)
-        h32[max_b:max_b + size] = torch.tensor(ctx, dtype=torch.int32)
-        tables = h32[2 * max_b:].view(max_b, self.width)
+        tables = h32[max_b:].view(max_b, self.width)
         tables[:size].zero_()
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         # the host buffers are reused next step: the runner reads this step's samples on the
         # host before it builds the next one, so these copies have run by then
         self._rows64.copy_(h64, non_blocking=True)
-        self._seq32[:2 * max_b + size * self.width].copy_(h32[:2 * max_b + size * self.width],
-                                                          non_blocking=True)
+        self._seq32[:max_b + size * self.width].copy_(h32[:max_b + size * self.width],
+                                                      non_blocking=True)
         return len(gather)
 
     # --- the static forward and its capture ---------------------------------------------------
     def _metadata(self, size: int, q: int, bucket: int) -> AttentionMetadata:
-        empty = self.seq_lens[:0]
+        """Every row a decode (the per-step lengths on the device only: host copies would be
+        frozen into a graph). Verification rows take their sequence's table and a length of
+        their position + 1, made here (captured with the forward)."""
         n = size * q
         if q == 1:
-            return AttentionMetadata(
-                num_prefills=0, num_prefill_tokens=0, num_decode_tokens=size,
-                slot_mapping=self.slots[:n], block_size=self.block_size,
-                query_start_loc=self.query_start[:1], prefill_seq_lens=empty,
-                prefill_context_lens=empty, prefill_block_tables=self.block_tables[:0],
-                max_prefill_query_len=0, max_prefill_seq_len=0,
-                decode_seq_lens=self.seq_lens[:size], decode_block_tables=self.block_tables[:size],
-                max_decode_seq_len=bucket, extras={"graph_max_seq_len": bucket})
-        # every sequence a verification chunk of q rows; the per-step lengths live on the
-        # device only (host copies would be frozen into a graph)
+            lens, tables = self.seq_lens[:size], self.block_tables[:size]
+        else:
+            lens, tables = self.row_lens[:n], self.row_tables[:n]
+            tables.view(size, q, self.width).copy_(
+                self.block_tables[:size, None, :].expand(size, q, self.width))
+            lens.copy_(self.positions[:n] + 1)
+        empty = self.seq_lens[:0]
         return AttentionMetadata(
-            num_prefills=size, num_prefill_tokens=n, num_decode_tokens=0,
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n,
             slot_mapping=self.slots[:n], block_size=self.block_size,
-            query_start_loc=self.query_start[:size + 1], prefill_seq_lens=self.seq_lens[:size],
-            prefill_context_lens=self.ctx_lens[:size],
-            prefill_block_tables=self.block_tables[:size], max_prefill_query_len=q,
-            max_prefill_seq_len=self.max_model_len, decode_seq_lens=empty,
-            decode_block_tables=self.block_tables[:0], max_decode_seq_len=0,
-            prefill_query_lens_list=[q] * size,
-            extras={"verify_prefills": frozenset(range(size))})
+            query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
+            prefill_seq_lens=empty, prefill_context_lens=empty,
+            prefill_block_tables=self.block_tables[:0], max_prefill_query_len=0,
+            max_prefill_seq_len=0, decode_seq_lens=lens, decode_block_tables=tables,
+            max_decode_seq_len=bucket, extras={"graph_max_seq_len": bucket})
 
     def forward_static(self, size: int, q: int, bucket: int) -> None:
         """The forward of a (size, q, bucket) step over the static buffers into the shared
@@ -225,5 +224,5 @@ class SpecStepGraphs:
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (size, q, bucket), largest first (smaller graphs reuse the largest's pool)."""
         keys = [(b, 1, c) for b in self.sizes for c in self.context_lens]
-        keys += [(b, self.q, self.max_model_len) for b in self.verify_sizes]
+        keys += [(b, self.q, c) for b in self.verify_sizes for c in self.context_lens]
         return sorted(keys, key=lambda key: (key[0] * key[1], key[2]), reverse=True)

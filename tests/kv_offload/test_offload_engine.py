@@ -147,3 +147,43 @@ def test_worker_in_its_own_process(llama_path, expected, tmp_path) -> None:
     assert got == expected, first_mismatch(got, expected)
     assert set(_loaded(llm)) == {"host", "disk"}
     _check_idle(llm)
+
+
+def _steps_to_first_token(llm: LLM, prompt: list[int]) -> int:
+    """Engine steps from adding ``prompt`` until its first token is out (then it finishes)."""
+    engine = llm.llm_engine
+    engine.add_request("probe", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    steps, first = 0, None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        if first is None and any(o.request_id == "probe" and o.outputs[0].token_ids
+                                 for o in outs):
+            first = steps
+    assert first is not None
+    return first
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_host_tier_hit_is_admitted_in_the_step_that_loads_it(llama_path, tmp_path,
+                                                              tier) -> None:
+    """The host tier's loads cannot fail, so they run before the step's forward and the
+    request is admitted at once: its first token comes as soon as with the document on the
+    device. A disk load may fail: the request waits one step for it to land."""
+    kwargs: dict = ({"kv_offload_size": 0.01} if tier == "host" else
+                    {"kv_offload_disk": str(tmp_path), "kv_offload_disk_size": 0.01})
+    llm = LLM(llama_path, device="cpu", dtype="float32", block_size=BS,
+              num_gpu_blocks_override=16, enable_prefix_caching=True, seed=0, **kwargs)
+    rng = random.Random(7)
+    docs = [[rng.randint(3, 258) for _ in range(DOC_TOKENS)] for _ in range(6)]
+    cold = _steps_to_first_token(llm, docs[0] + [5, 6, 7])
+    warm = _steps_to_first_token(llm, docs[0] + [8, 9, 10])  # on the device
+    for doc in docs[1:]:  # 5 more documents push the first out of 16 blocks
+        _steps_to_first_token(llm, doc + [5, 6, 7])
+    before = sum(_loaded(llm).values())
+    offloaded = _steps_to_first_token(llm, docs[0] + [11, 12, 13])
+    assert sum(_loaded(llm).values()) - before == 4, "the document did not come from the tier"
+    assert warm == cold
+    assert offloaded == warm + (0 if tier == "host" else 1)
+    _check_idle(llm)

@@ -65,8 +65,11 @@ class KernelCacheOps(CacheOps):
 
     def import_blocks(self, staging: torch.Tensor, kv_caches: list[torch.Tensor],
                       block_ids: torch.Tensor) -> CacheTransfer:
-        """Copy the staging buffer to the device and scatter its rows into the blocks on a side
-        stream (after the work queued so far); ``fence()`` makes the current stream wait."""
+        """Copy the staging buffer to the device and scatter its rows into the blocks on the
+        load stream (after the work queued so far); ``fence()`` makes the current stream wait.
+        Not the exports' stream: a load's host-to-device copy runs beside the device-to-host
+        copy of the blocks evicted for it (each direction has its own copy engine), which the
+        current stream does not wait for (only for their gather, queued before this)."""
         if not kv_caches or kv_caches[0].device.type != "cuda":
             kv_transfer.import_blocks(staging, kv_caches, block_ids)
             return _DONE
@@ -75,7 +78,7 @@ class KernelCacheOps(CacheOps):
         if n == 0:
             return _DONE
         device = kv_caches[0].device
-        side = _side_stream(device)
+        side = _side_stream(device, _LOAD_STREAMS)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             ids = block_ids.to(device, non_blocking=True)
@@ -89,14 +92,16 @@ class KernelCacheOps(CacheOps):
 
 
 _DONE = CacheTransfer()
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # exports
+_LOAD_STREAMS: dict[int, torch.cuda.Stream] = {}  # imports
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device,
+                 streams: dict[int, torch.cuda.Stream] = _SIDE_STREAMS) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
 
 
 class _StreamTransfer(CacheTransfer):

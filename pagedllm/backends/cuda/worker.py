@@ -66,13 +66,12 @@ class CudaWorker(Worker):
         self.counters["graph_captures"] += len(self.graphs.graphs)
 
     def _capture_spec_graphs(self, sizes: list[int], buckets: list[int]) -> None:
-        """The speculative runner's decode-only steps: q = 1 at every decode size and context
-        bucket, q = k + 1 (verification) up to MAX_VERIFY_GRAPH_BATCH with the csrc/ attention
-        (its Triton prefill reads the step's lengths on the device; torch attention's does not)."""
+        """The speculative runner's decode-only steps at every context bucket: q = 1 at every
+        decode size, q = k + 1 (verification) up to MAX_VERIFY_GRAPH_BATCH."""
         from pagedllm.backends.cuda import spec_graphs
 
         assert self.model is not None
-        verify = spec_graphs.verify_graph_sizes(sizes) if self.attn_cls is CudaPagedAttention else []
+        verify = spec_graphs.verify_graph_sizes(sizes)
         aux = getattr(getattr(self, "proposer", None), "aux_states", None)
         self.spec_graphs = SpecStepGraphs(
             self.model, self.kv_caches, self.config.cache.block_size,
