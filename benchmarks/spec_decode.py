@@ -27,6 +27,7 @@ tokens are checked against its own engine's plain run (they must be equal).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -252,14 +253,15 @@ def merge_runs(runs: list[dict[tuple[str, str], dict[str, Any]]], batches: list[
                ) -> dict[tuple[str, str], dict[str, Any]]:
     """One result per (engine, method): the first run's entries with output tok/s replaced by
     the median over the runs, and ``ratios`` (each run's tok/s over its own none run's)."""
+    raw = copy.deepcopy(runs)  # the runs as measured (the merged entries are rewritten)
     merged = runs[0]
     for key, result in merged.items():
         if "error" in result:
             continue
         for b in batches:
-            per = [r[key]["batches"][str(b)] for r in runs
+            per = [r[key]["batches"][str(b)] for r in raw
                    if "error" not in r[key] and str(b) in r[key]["batches"]]
-            base = [r[(key[0], "none")]["batches"].get(str(b)) for r in runs
+            base = [r[(key[0], "none")]["batches"].get(str(b)) for r in raw
                     if "error" not in r[key] and str(b) in r[key]["batches"]]
             entry = result["batches"][str(b)]
             speeds = sorted(e["output_tok_per_s"] for e in per)

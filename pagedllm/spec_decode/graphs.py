@@ -165,8 +165,9 @@ class SpecStepGraphs:
         h32[:size] = torch.tensor(seq_lens, dtype=torch.int32)
         tables = h32[max_b:].view(max_b, self.width)
         tables[:size].zero_()
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        for i, s in enumerate(seqs):  # blocks past the model length (lookahead) are never read
+            table = s.block_table[:self.width]
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
         # the host buffers are reused next step: the runner reads this step's samples on the
         # host before it builds the next one, so these copies have run by then
         self._rows64.copy_(h64, non_blocking=True)
