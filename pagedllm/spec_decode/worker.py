@@ -84,7 +84,8 @@ class SpecWorkerMixin:
         self.spec_runner.graphs = getattr(self, "spec_graphs", None)
 
     def release_device_memory(self) -> None:
-        self.spec_runner.graphs = None  # they hold the caches and their memory pool
+        if getattr(self, "spec_runner", None) is not None:  # (a failed start may not have one)
+            self.spec_runner.graphs = None  # they hold the caches and their memory pool
         super().release_device_memory()  # type: ignore[misc]
 
     def _proposer_host(self, virtual_engine: int = 0) -> list[torch.Tensor]:
