@@ -269,14 +269,8 @@ class KVWorkerRunner:
         read into one staging buffer); the indices that failed (a staged group that fails is
         retried block by block, so one bad block costs only itself)."""
         start = time.perf_counter()
-        source, transfers, staged = self.stores[store], [], []
-        for first, slot, count, down in slot_runs(slots):
-            view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
-            if view is None:
-                staged += range(first, first + count)
-                continue
-            ids = _run_blocks(blocks, first, count, down)
-            transfers.append(self.cache_ops.import_blocks(view, caches, ids))
+        source = self.stores[store]
+        transfers, staged = self._import_direct(source, slots, blocks, caches)
         bad: list[int] = []
         try:
             if staged:
@@ -290,6 +284,21 @@ class KVWorkerRunner:
         del self.load_seconds[:-LATENCY_SAMPLES]  # nobody asks: keep the latest only
         return bad
 
+    def _import_direct(self, source: BlockStore, slots: list[Slot], blocks: list[int],
+                       caches: list[torch.Tensor]) -> tuple[list[CacheTransfer], list[int]]:
+        """Start importing the runs ``source`` shows as a view straight into their blocks;
+        returns (their transfers, the indices of ``slots`` left for a staging buffer)."""
+        transfers: list[CacheTransfer] = []
+        staged: list[int] = []
+        for first, slot, count, down in slot_runs(slots):
+            view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
+            if view is None:
+                staged += range(first, first + count)
+                continue
+            ids = _run_blocks(blocks, first, count, down)
+            transfers.append(self.cache_ops.import_blocks(view, caches, ids))
+        return transfers, staged
+
     def _load_ready(self, store: str, slots: list[Slot], blocks: list[int],
                     caches: list[torch.Tensor]) -> None:
         """Import ``slots`` into ``blocks`` ahead of the step's forward: queued on the device
@@ -299,23 +308,15 @@ class KVWorkerRunner:
         source = self.stores[store]
         self._wait_for({(store, s) for s in slots})
         self._ready = [t for t in self._ready if not t.done()]
-        staged: list[int] = []
-        for first, slot, count, down in slot_runs(slots):
-            view = source.view(slot, count) if count >= MIN_DIRECT_RUN else None
-            if view is None:
-                staged += range(first, first + count)
-                continue
-            transfer = self.cache_ops.import_blocks(view, caches,
-                                                    _run_blocks(blocks, first, count, down))
-            transfer.fence()
-            self._ready.append(transfer)  # holds its buffers until done
+        transfers, staged = self._import_direct(source, slots, blocks, caches)
         if staged:
             rows = self.layout.staging(len(staged))
             source.read([slots[i] for i in staged], rows)
             ids = torch.tensor([blocks[i] for i in staged], dtype=torch.int64)
-            transfer = self.cache_ops.import_blocks(rows, caches, ids)
+            transfers.append(self.cache_ops.import_blocks(rows, caches, ids))
+        for transfer in transfers:
             transfer.fence()
-            self._ready.append(transfer)
+        self._ready += transfers  # each holds its buffers until done
         self.counters[f"loaded_blocks:{store}"] += len(blocks)
         self.load_seconds.append(time.perf_counter() - start)
         del self.load_seconds[:-LATENCY_SAMPLES]

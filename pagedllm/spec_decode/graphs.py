@@ -8,13 +8,14 @@ block table, and the step's KV is written before attention reads the cache, so e
 its context and the rows before it (causal) with the decode kernel's split over the context
 (the prefill kernel runs one program per sequence and head: a handful at batch 1). A pad row
 writes no KV (slot -1) and comes after its sequence's real rows, which therefore never read
-it; a padded sequence (rows past the step's B up to the captured ``size``) has no context. The forward writes the hidden states, the
-logits of every row and, for an EAGLE-3 head, the target's auxiliary states into buffers shared
-by all graphs; a step gathers its real rows back into the packed layout ``SpecRunner`` uses.
+it; a padded sequence (rows past the step's B up to the captured ``size``) has no context. The
+forward writes the hidden states, the logits of every row and, for an EAGLE-3 head, the
+target's auxiliary states into buffers shared by all graphs; a step gathers its real rows back
+into the packed layout ``SpecRunner`` uses.
 
-Without graphs (``graphs`` empty, ``capture=False``) the same static forward runs eagerly on
-any backend (the layout's tests on the cpu); the cuda worker captures one CUDA graph per
-(size, q, context bucket) into ``graphs`` (backends/cuda/spec_graphs.py).
+Without graphs (``graphs`` empty) the same static forward runs eagerly on any backend (the
+layout's tests on the cpu); the cuda worker captures one CUDA graph per (size, q, context
+bucket) into ``graphs`` (backends/cuda/spec_graphs.py).
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class SpecStepGraphs:
 
     ``sizes``: batch sizes with plain-decode (q = 1) graphs; ``verify_sizes``: with
     verification (q = k + 1) graphs; ``context_lens``: context buckets of both (the decode
-    kernel's launch follows the bucket). ``aux``: an EAGLE-3 head's ``AuxHiddenStates`` (its hooks fire while
-    capturing; a replay restores its states from the shared buffers)."""
+    kernel's launch follows the bucket). ``aux``: an EAGLE-3 head's ``AuxHiddenStates`` (its
+    hooks fire while capturing; a replay restores its states from the shared buffers)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, k: int, sizes: list[int], verify_sizes: list[int],
@@ -78,6 +79,7 @@ class SpecStepGraphs:
         rows = max([b * self.q for b in self.verify_sizes[-1:]], default=0)
         self.row_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.row_tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
+        self._no_prefills = torch.zeros(1, dtype=torch.int32, device=device)  # query_start_loc
         pin = device.type != "cpu" and can_pin()
         self._host64 = torch.zeros(5 * m, dtype=torch.int64, pin_memory=pin)
         self._host32 = torch.zeros_like(self._seq32, device="cpu", pin_memory=pin)
@@ -192,7 +194,7 @@ class SpecStepGraphs:
         return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n,
             slot_mapping=self.slots[:n], block_size=self.block_size,
-            query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
+            query_start_loc=self._no_prefills,
             prefill_seq_lens=empty, prefill_context_lens=empty,
             prefill_block_tables=self.block_tables[:0], max_prefill_query_len=0,
             max_prefill_seq_len=0, decode_seq_lens=lens, decode_block_tables=tables,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,6 +30,21 @@ def context_buckets(max_model_len: int, shorter: tuple[int, ...] = ()) -> list[i
     width) follow the captured length, so short buckets keep short contexts from launching
     thread blocks for tokens they do not have."""
     return sorted({n for n in shorter if n < max_model_len} | {max_model_len})
+
+
+def capture_graph(forward: Callable[[], object], pool: object,
+                  stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """``forward`` run twice on ``stream`` (warm-up: allocations and kernel selection happen
+    outside the graph), then captured into a graph that draws on ``pool``."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        forward()
+    return graph
 
 
 class DecodeGraphs:
@@ -89,15 +105,8 @@ class DecodeGraphs:
         self.logits = torch.empty_like(self._forward(self.sizes[-1], self.context_lens[0]))
         # largest first, so smaller graphs reuse its pool
         for key in sorted(((b, n) for b in self.sizes for n in self.context_lens), reverse=True):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward_into_logits(*key)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward_into_logits(*key)
-            self.graphs[key] = graph
+            self.graphs[key] = capture_graph(lambda: self._forward_into_logits(*key), pool,
+                                             stream)
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s x contexts up to %s", self.sizes,
                     self.context_lens)

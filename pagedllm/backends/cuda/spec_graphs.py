@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from pagedllm.backends.cuda.graphs import capture_graph
 from pagedllm.spec_decode.graphs import MAX_VERIFY_GRAPH_BATCH, SpecStepGraphs
 
 logger = logging.getLogger(__name__)
@@ -28,14 +29,7 @@ def capture(graphs: SpecStepGraphs) -> None:
     captured = {}
     for key in keys:
         try:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    graphs.forward_static(*key)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                graphs.forward_static(*key)
+            graph = capture_graph(lambda: graphs.forward_static(*key), pool, stream)
         except RuntimeError as exc:
             torch.cuda.synchronize()
             logger.warning("speculative step graph (size, q, context) = %s not captured (%s): "
