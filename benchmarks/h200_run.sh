@@ -26,6 +26,8 @@
 #   bash benchmarks/h200_run.sh spec         # issue 43: step graphs' tests, verification step (k=4)
 #                                            # vs decode step (graphs, eager) at batch 1 and 64,
 #                                            # + every method's tokens and speed vs none on cuda
+#   bash benchmarks/h200_run.sh specprof     # issue 43: the verification step's cost with torch
+#                                            # profiler tables: demo fp32 / bf16, 8B shape bf16
 #   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
 #   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute vs device prefix
 #                                            # hits, 64 docs x 4k tokens
@@ -143,6 +145,21 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     timeout 260 python benchmarks/spec_decode.py --device cuda --engine pagedllm --method none \
       --method ngram --method draft --method eagle --batch 1 --batch 8 --waves 2 \
       --output-json "$OUT/spec_cuda.json" 2>&1 | grep -v "^20" | tee "$OUT/spec_cuda.log" | tail -12
+    ;;
+  specprof)
+    # the verification step's cost, profiled: the demo model in float32 (the recorded figure)
+    # and bfloat16, and the Llama-3-8B shape in bfloat16 (weights dominate), graphs and eager
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_spec_graphs.py \
+      --durations=3 2>&1 | tee "$OUT/spec_graphs.log" | tail -4
+    for dtype in float32 bfloat16; do
+      timeout 100 python benchmarks/spec_decode.py --step-cost --device cuda --batch 1 \
+        --batch 64 --dtype $dtype --profile-dir "$OUT/specprof-demo-$dtype" \
+        --output-json "$OUT/spec_step_demo_$dtype.json" 2>&1 | tail -6
+    done
+    model
+    timeout 150 python benchmarks/spec_decode.py --step-cost --device cuda --batch 1 --batch 64 \
+      --dtype bfloat16 --model "$MODEL" --load-format dummy --profile-dir "$OUT/specprof-8b" \
+      --output-json "$OUT/spec_step_8b.json" 2>&1 | tail -6
     ;;
   lora)
     model

@@ -106,12 +106,17 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     warmup_s = time.perf_counter() - start
     hits0 = engine.block_manager.num_prefix_hit_blocks
     kv0 = _kv_counters(engine)
-    ttfts, token_ids = [], []
+    ttfts, token_ids, sources = [], [], []
+    trace = _Trace(spec.get("profile"), spec["device"], len(spec["prompts"]))
     start = time.perf_counter()
     for i, prompt in enumerate(spec["prompts"]):
+        trace.before(i)
+        before = (engine.block_manager.num_prefix_hit_blocks, _kv_counters(engine))
         ttft, ids = one(f"req{i}", prompt)
+        trace.after(i)
         ttfts.append(ttft)
         token_ids.append(ids)
+        sources.append(_source(before, engine))
     elapsed = time.perf_counter() - start
     kv1 = _kv_counters(engine)
     full = sum(len(p) // BLOCK_SIZE for p in spec["prompts"])
@@ -124,12 +129,55 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     stats = engine.stats().kv_transfer
     engine.shutdown()
     return dict(elapsed_s=elapsed, load_s=load_s, warmup_s=warmup_s, ttft_s=ttfts,
-                token_ids=token_ids, hits=hits, failed=failed, idle_problems=idle,
+                token_ids=token_ids, sources=sources, hits=hits, failed=failed, idle_problems=idle,
                 tiers=(stats or {}).get("OffloadingConnector"))
 
 
 def _kv_counters(engine: Any) -> dict[str, int]:
     return dict(engine.kv.stats()["counters"]) if engine.kv is not None else {}
+
+
+def _source(before: tuple[int, dict[str, int]], engine: Any) -> str:
+    """Where a request's prefix came from: the tier it loaded blocks from ("host", "disk"),
+    "device" (prefix hits only), or "miss" (computed)."""
+    hits0, kv0 = before
+    loaded = {k[7:] for k, v in _kv_counters(engine).items()
+              if k.startswith("loaded:") and v > kv0.get(k, 0)}
+    if loaded:
+        return "+".join(sorted(loaded))
+    return "device" if engine.block_manager.num_prefix_hit_blocks > hits0 else "miss"
+
+
+class _Trace:
+    """A torch profiler trace of ``count`` timed requests from the middle of the run (``spec
+    ["profile"]`` = [folder, name, count]): a chrome trace and a table of ops there."""
+
+    def __init__(self, profile: list | None, device: str, n: int) -> None:
+        self.profile, self.device = profile, device
+        self.first = n // 2
+        self.prof: Any = None
+
+    def before(self, i: int) -> None:
+        if self.profile and i == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda"
+                                             else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def after(self, i: int) -> None:
+        if self.prof is None or i != self.first + int(self.profile[2]) - 1:
+            return
+        self.prof.__exit__(None, None, None)
+        folder, name = Path(self.profile[0]), self.profile[1]
+        folder.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(folder / f"{name}.json.gz"))
+        sort = "self_cuda_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        table = self.prof.key_averages()
+        (folder / f"{name}.txt").write_text(table.table(sort_by=sort, row_limit=40) + "\n"
+                                            + table.table(sort_by="cpu_time_total", row_limit=40))
+        self.prof = None
 
 
 # --- the driver: the offload workload ---------------------------------------------------------
@@ -176,6 +224,9 @@ def offload_specs(args: argparse.Namespace, config: dict[str, Any], prompts: lis
                  disk=dict(kv_offload_disk=str(disk_dir), kv_offload_disk_size=tier_gib),
                  device={})
     specs = {name: dict(base, tiers=tiers[name]) for name in args.config if name in tiers}
+    if args.profile_dir:
+        for name, spec in specs.items():
+            spec["profile"] = [str(args.profile_dir), name, args.profile_requests]
     if "device" in specs:  # no tier, a device cache that holds every block of the run
         specs["device"]["device_blocks"] = tier_blocks + per_request
     return specs
@@ -259,7 +310,20 @@ def offload_table(results: dict[str, dict[str, Any]], tokens: int) -> tuple[list
         lines.append(f"| {name} | {p50:.1f} | {p99:.1f} | {rate:.2f} | "
                      f"{tokens / r['elapsed_s']:.1f} | {lower} | {speed} | {hits} | {same} | "
                      f"{same_hit} |")
-    return lines, same_all
+    return lines + [""] + source_lines(results), same_all
+
+
+def source_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """TTFT p50 per configuration by where each request's prefix came from."""
+    lines = []
+    for name, r in results.items():
+        by: dict[str, list[float]] = {}
+        for src, t in zip(r.get("sources", []), r.get("ttft_s", [])):
+            by.setdefault(src, []).append(t)
+        if by:
+            lines.append(f"{name}: TTFT p50 by prefix source: " + ", ".join(
+                f"{src} {pct(ts, 0.5) * 1e3:.1f} ms ({len(ts)})" for src, ts in sorted(by.items())))
+    return lines
 
 
 # --- the driver: disaggregated vs single instance ---------------------------------------------
@@ -406,6 +470,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-dir", type=Path, help="the disk tier's folder (on the local disk)")
     p.add_argument("--log-dir", type=Path)
     p.add_argument("--output-json", type=Path)
+    p.add_argument("--profile-dir", type=Path,
+                   help="a torch profiler trace of --profile-requests timed requests from the "
+                        "middle of each configuration's run, and its table, here")
+    p.add_argument("--profile-requests", type=int, default=6)
     args = p.parse_args(argv)
     for name in ("docs", "doc_tokens", "questions", "question_tokens", "output_tokens",
                  "device_docs"):

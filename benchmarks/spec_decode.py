@@ -146,18 +146,21 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
-              dtype: str) -> list[dict[str, Any]]:
+              dtype: str, model: str | None = None, load_format: str | None = None,
+              profile_dir: str | None = None) -> list[dict[str, Any]]:
     """Seconds of one target step of B decodes (1 query token each) and of one verification
     step (1 + k query tokens each, the rejection sampler included), at ``context`` tokens of
-    cached context, on the demo model: through the speculative runner with the backend's step
-    graphs (where it captures them: cuda) and eagerly."""
+    cached context, on the demo model (or ``model``): through the speculative runner with the
+    backend's step graphs (where it captures them: cuda) and eagerly. ``profile_dir``: also a
+    torch profiler trace of each (mode, step) and its table of kernels and host ops there."""
     from pagedllm import LLM
     from pagedllm.core.batch import ScheduledBatch, ScheduledSeq
     from pagedllm.sampling_params import SamplingParams
 
-    llm = LLM(str(DEMO), device=device, dtype=dtype, max_num_seqs=max(batches),
+    extra = {"load_format": load_format} if load_format else {}
+    llm = LLM(model or str(DEMO), device=device, dtype=dtype, max_num_seqs=max(batches),
               num_gpu_blocks_override=max(batches) * (-(-(context + k + 1) // 16)) + 16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+              speculative_config={"method": "ngram", "num_speculative_tokens": k}, **extra)
     engine = llm.llm_engine
     worker = engine.executor.worker
     runner = worker.spec_runner
@@ -184,6 +187,24 @@ def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
             engine.backend.synchronize()
             return (time.perf_counter() - start) / iters
 
+        def profile(sched: ScheduledBatch, name: str) -> None:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if engine.backend.name == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                for _ in range(10):
+                    runner.execute(sched, worker.kv_caches)
+                engine.backend.synchronize()
+            out = Path(profile_dir or ".")
+            out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out / f"{name}.json"))
+            sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+            (out / f"{name}.txt").write_text(
+                prof.key_averages().table(sort_by=sort, row_limit=40) + "\n"
+                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
         row: dict[str, Any] = {"batch": b, "context": context, "k": k}
         for mode, steps in (("graphs", graphs), ("eager", None)):
             if mode == "graphs" and steps is None:
@@ -195,6 +216,9 @@ def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
             if steps is not None:  # both ran on graphs, not eagerly past a missing size
                 row["graph_steps"] = {q: n - before.get(q, 0) for q, n in steps.steps.items()}
             row[f"ratio_{mode}"] = row[f"verify_step_s_{mode}"] / row[f"decode_step_s_{mode}"]
+            if profile_dir:
+                profile(batch(0), f"b{b}-{mode}-decode")
+                profile(batch(k), f"b{b}-{mode}-verify")
             logger.info("batch %d %s: decode %.3f ms, verify (k=%d) %.3f ms: %.2fx", b, mode,
                         row[f"decode_step_s_{mode}"] * 1e3, k,
                         row[f"verify_step_s_{mode}"] * 1e3, row[f"ratio_{mode}"])
@@ -334,10 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                         "graphs and eager, in this process")
     p.add_argument("--device", default="auto")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--model", default=None, help="--step-cost: this model instead of the demo's")
+    p.add_argument("--load-format", default=None, help="--step-cost: e.g. dummy")
+    p.add_argument("--profile-dir", default=None,
+                   help="--step-cost: torch profiler traces and tables of each step here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.step_cost:
-        rows = step_cost(args.device, args.batch or [1, 64], args.context, K, 20, args.dtype)
+        rows = step_cost(args.device, args.batch or [1, 64], args.context, K, 20, args.dtype,
+                         args.model, args.load_format, args.profile_dir)
+        print(f"{args.model or 'demo model'}, {args.dtype}")
         print("| batch | context | mode | decode step | verify step (k=4) | ratio |\n"
               "|---|---|---|---|---|---|")
         for r in rows:
