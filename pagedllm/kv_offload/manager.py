@@ -2,6 +2,13 @@
 tiers (host memory, then disk), each tier an LRU of content keys; a key found in a tier is
 loaded from there. No torch here.
 
+Write-through: a block entering the device prefix cache (computed, or loaded from the disk
+tier) is saved into the host tier at once (``on_computed``; the copy rides on the next step and
+overlaps it), as vLLM's offloading connector stores computed blocks: evicting it later costs
+nothing, and a host-tier hit never waits for the device-to-host copy of the blocks evicted to
+make room for it. The disk tier is written on demotion from the host tier (or, without a host
+tier, on eviction), so it costs no disk writes for blocks that are never evicted.
+
 What a device eviction of a block with key K does:
   - K already in the host tier (or, without one, in the disk tier): only LRU order changes;
   - else K gets a host slot (the least recently used unpinned key there is demoted to the
@@ -24,6 +31,7 @@ class OffloadingConnector(KVConnector):
     name: ClassVar[str] = "OffloadingConnector"
     worker_class: ClassVar[str] = "pagedllm.kv_offload.stores:OffloadingWorker"
     step_stores: ClassVar[frozenset[str]] = frozenset({HOST})  # the worker's own memory
+    computed_saves_at_once: ClassVar[bool] = False  # write-through rides on the next step
 
     def __init__(self, config: Any, slots: dict[str, int]) -> None:
         super().__init__(config, slots)
@@ -70,6 +78,10 @@ class OffloadingConnector(KVConnector):
             tier.remove(key)
 
     # --- saves --------------------------------------------------------------------------
+    def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
+        if self.host is not None and key not in self.host:
+            self._save_to_host(block, key, ops)
+
     def on_evict(self, block: int, key: Key, ops: KVStepOps) -> None:
         top = self.tiers[0] if self.tiers else None
         if top is None:
@@ -80,6 +92,13 @@ class OffloadingConnector(KVConnector):
         if top is self.disk:
             self._store(self.disk, ("device", block), key, ops)
             return
+        self._save_to_host(block, key, ops)
+
+    def _save_to_host(self, block: int, key: Key, ops: KVStepOps) -> None:
+        """Save device ``block`` (not in the host tier) into a host slot, demoting that
+        slot's least recently used key to the disk tier first."""
+        top = self.host
+        assert top is not None
         got = top.insert(key)
         if got is None:  # every host slot is pinned by a load: the block is not kept
             return

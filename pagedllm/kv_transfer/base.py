@@ -81,6 +81,11 @@ class KVConnector(ABC):
     # prefix continues only in them is admitted in the step that loads it, the loads queued
     # on the device before that step's forward (``KVStepOps.ready_loads``)
     step_stores: ClassVar[frozenset[str]] = frozenset()
+    # where ``on_computed``'s moves go: True (a producer), handed to the workers right after the
+    # step that computed the blocks and waited for (a consumer may look for them as soon as the
+    # request's output is out); False, they ride on the next step's moves like ``on_evict``'s
+    # (run before its writes, the copies overlapping it: an offload tier's write-through)
+    computed_saves_at_once: ClassVar[bool] = True
 
     def __init__(self, config: Any, slots: dict[str, int]) -> None:
         self.config = config
@@ -114,8 +119,9 @@ class KVConnector(ABC):
         the moves that keep its content (offload tiers); default: nothing."""
 
     def on_computed(self, block: int, key: Key, ops: KVStepOps) -> None:
-        """``block`` now holds ``key``, computed by this engine (a producer saves it);
-        default: nothing."""
+        """``block`` now holds ``key`` (computed by this engine, or loaded): a producer saves
+        it, an offload tier writes it through (``computed_saves_at_once`` says when the moves
+        run); default: nothing."""
 
     # --- bookkeeping --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

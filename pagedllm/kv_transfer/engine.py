@@ -68,7 +68,8 @@ class KVTransferEngine:
     def after_step(self, done: Any) -> None:
         """After a step: its loads land (failed ones are computed instead), moves recorded
         since the schedule (a producer's saves of computed blocks) run on the workers now,
-        and at idle the landed blocks are unpinned."""
+        and at idle the landed blocks are unpinned and the moves meant for the next step
+        (write-through saves) are queued on the workers."""
         ops = done.sched.batch.kv_ops if done is not None else None
         failed: list = []
         if ops is not None and (ops.loads or ops.ready_loads):
@@ -84,6 +85,9 @@ class KVTransferEngine:
             self.executor.kv_connector_call("apply", pending.for_workers())
         if not any(s.has_unfinished() for s in self.schedulers):
             self.manager.release_landed()
+            idle = self.manager.take_deferred()  # no next step to carry them: queue them now
+            if idle is not None:
+                self.executor.kv_connector_call("queue", idle.for_workers())
         if time.monotonic() - self._logged_at > LOG_INTERVAL_S:
             self._log_rates()
 

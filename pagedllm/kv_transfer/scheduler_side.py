@@ -14,9 +14,11 @@ tiers, transfer). No torch here.
   it landed, so nothing evicts them before their sequence is admitted; then they are ordinary
   cached blocks.
 - A block the device cache evicts goes to every connector's ``on_evict`` (offload tiers save
-  it); a block entering the prefix cache goes to ``on_computed`` (a producer saves it).
+  it unless they hold it already); a block entering the prefix cache goes to ``on_computed`` (a
+  producer saves it; the host tier writes it through, so that evicting it later costs nothing).
 The moves collect here and ride on the next batch (``end_schedule`` / ``attach``), or are
-handed to the workers at once after the step (``take_pending``: a producer's saves).
+handed to the workers at once after the step (``take_pending``: the saves of connectors with
+``computed_saves_at_once``, producers).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ class KVConnectorManager:
             raise ValueError("KV connectors need the prefix cache (enable_prefix_caching=True)")
         self.bm = block_manager
         self.connectors = connectors
-        self._ops = KVStepOps()  # moves not yet handed to the workers
+        self._ops = KVStepOps()  # moves for the next batch, not yet handed to the workers
+        self._now = KVStepOps()  # producers' saves, handed to the workers after the step
         # key -> (device block, connector) of the loads not yet landed
         self._loading: dict[Key, tuple[int, KVConnector]] = {}
         self._pinned: list[int] = []  # device blocks pinned by loads not yet landed
@@ -63,7 +66,8 @@ class KVConnectorManager:
 
     def _on_register(self, block: int, key: Key) -> None:
         for connector in self.connectors:
-            connector.on_computed(block, key, self._ops)
+            connector.on_computed(block, key, self._now if connector.computed_saves_at_once
+                                  else self._ops)
 
     # --- admission ----------------------------------------------------------------------
     def ready(self, group: SequenceGroup) -> bool:
@@ -197,12 +201,20 @@ class KVConnectorManager:
             self.bm.device.free(block)
         self._landed = []
 
-    def take_pending(self) -> KVStepOps | None:
-        """Moves collected since the last schedule (a producer's saves of blocks computed by
-        the step that just ran): the engine hands them to the workers at once."""
+    def take_deferred(self) -> KVStepOps | None:
+        """The moves waiting for the next batch (the engine is idle: none will come)."""
         if not self._ops:
             return None
         ops, self._ops = self._ops, KVStepOps()
+        self._count_saves(ops)
+        return ops
+
+    def take_pending(self) -> KVStepOps | None:
+        """Producers' saves of blocks computed by the step that just ran: the engine hands
+        them to the workers at once."""
+        if not self._now:
+            return None
+        ops, self._now = self._now, KVStepOps()
         self._count_saves(ops)
         return ops
 
@@ -225,7 +237,7 @@ class KVConnectorManager:
             problems.append(f"{len(self._loading)} loads / {len(self._pinned)} pins in flight")
         if self._landed:
             problems.append(f"{len(self._landed)} landed blocks still pinned")
-        if self._ops:
+        if self._ops or self._now:
             problems.append("moves collected but never handed to the workers")
         dev = self.bm.device
         if dev.num_free + dev.num_cached_idle != dev.num_blocks:

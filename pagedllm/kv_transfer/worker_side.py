@@ -373,6 +373,12 @@ class KVWorkerRunner:
         self.after_moves(ops, caches)
         self.flush()
 
+    def queue(self, ops: KVStepOps, caches: list[torch.Tensor]) -> None:
+        """Run ``ops`` now, between steps, without waiting for their writes (the engine went
+        idle with write-through saves meant for the next step)."""
+        self.before_moves(ops, caches)
+        self.after_moves(ops, caches)
+
     def flush(self) -> None:
         for fut, _, _ in self._writes:
             fut.result()
@@ -407,7 +413,8 @@ def open_runner(worker: Any, specs: list[tuple[str, dict[str, Any]]]) -> KVWorke
 
 def worker_call(worker: Any, method: str, *args: Any) -> Any:
     """``Worker.kv_connector_call``: "init" opens the runner (returns its stores' slots);
-    "apply" runs moves now; any other name is a KVWorkerRunner method."""
+    "apply" runs moves now and waits for them, "queue" without waiting; any other name is a
+    KVWorkerRunner method."""
     if method == "init":
         if worker.kv_connector is not None:
             worker.kv_connector.close()
@@ -417,8 +424,8 @@ def worker_call(worker: Any, method: str, *args: Any) -> Any:
     runner = worker.kv_connector
     if runner is None:
         raise RuntimeError("no KV connector is open on this worker")
-    if method == "apply":
-        return runner.apply(args[0], worker.kv_caches)
+    if method in ("apply", "queue"):
+        return getattr(runner, method)(args[0], worker.kv_caches)
     if method == "close":
         worker.kv_connector = None
         return runner.close()

@@ -187,3 +187,30 @@ def test_a_host_tier_hit_is_admitted_in_the_step_that_loads_it(llama_path, tmp_p
     assert warm == cold
     assert offloaded == warm + (0 if tier == "host" else 1)
     _check_idle(llm)
+
+
+def test_a_host_tier_hit_waits_for_no_save(llama_path) -> None:
+    """Blocks are written through to the host tier after the step that computed them, so the
+    device blocks a host-tier hit evicts to make room are in the host tier already: the step
+    that loads the hit carries no save (on a GPU its load would wait for their copy)."""
+    llm = LLM(llama_path, device="cpu", dtype="float32", block_size=BS,
+              num_gpu_blocks_override=16, enable_prefix_caching=True, seed=0,
+              kv_offload_size=0.01)
+    engine = llm.llm_engine
+    counters = engine.kv.manager.counters
+    rng = random.Random(11)
+    docs = [[rng.randint(3, 258) for _ in range(DOC_TOKENS)] for _ in range(6)]
+    for doc in docs:  # the last 5 push the first out of the 16 device blocks
+        _steps_to_first_token(llm, doc + [5, 6, 7])
+    assert counters["saved:host"] > 0
+    engine.add_request("probe", {"prompt_token_ids": docs[0] + [11, 12, 13]},
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    load_steps = 0
+    while engine.has_unfinished_requests():
+        loaded, saved = counters["loaded:host"], counters["saved:host"]
+        engine.step()
+        if counters["loaded:host"] > loaded:
+            load_steps += 1
+            assert counters["saved:host"] == saved, "the loading step saved evicted blocks"
+    assert load_steps == 1
+    _check_idle(llm)

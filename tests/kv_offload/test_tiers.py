@@ -45,6 +45,28 @@ def test_eviction_goes_down_the_tiers_in_order() -> None:
     assert conn.check_idle() == []
 
 
+def test_the_host_tier_writes_computed_blocks_through() -> None:
+    """A block entering the device prefix cache is saved into the host tier at once, so its
+    eviction later moves nothing; the disk tier is still written on demotion only."""
+    conn = OffloadingConnector(None, {"host": 2, "disk": 3})
+    ops = KVStepOps()
+    conn.on_computed(0, "a", ops)
+    conn.on_computed(1, "b", ops)
+    conn.on_computed(5, "a", ops)  # resident already (a copy of a loaded block): no save
+    assert ops.stores == [("save", "host", 0, 0), ("save", "host", 1, 1)]
+    ops = KVStepOps()
+    conn.on_evict(0, "a", ops)  # written through: only its LRU place changes (b is older)
+    assert ops.stores == []
+    conn.on_computed(2, "c", ops)  # b is demoted to disk before c's save takes its slot
+    assert ops.stores == [("move", "host", 1, "disk", 0), ("save", "host", 2, 1)]
+    assert conn.locate("b") == ("disk", 0) and conn.locate("a") == ("host", 0)
+    disk_only = OffloadingConnector(None, {"disk": 2})
+    ops = KVStepOps()
+    disk_only.on_computed(0, "a", ops)
+    assert ops.stores == [] and disk_only.locate("a") is None
+    assert conn.check_idle() == [] and disk_only.check_idle() == []
+
+
 def test_disk_only_saves_straight_to_disk_and_drops_its_lru() -> None:
     conn = OffloadingConnector(None, {"disk": 2})
     ops = KVStepOps()
