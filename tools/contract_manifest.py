@@ -43,6 +43,7 @@ SURFACE: list[tuple[str, Any]] = [
     ("pagedllm.contract.cache_ops", ("as_bytes",)),
     ("pagedllm.contract.cache_ops.CacheOps", "*"),
     ("pagedllm.contract.cache_ops.CacheTransfer", "*"),
+    ("pagedllm.contract.layer_fences", ("add", "consume", "consume_all", "pending")),
     ("pagedllm.contract.ops", ("OP_NAMES",)),
     ("pagedllm.contract.ops.OpTable", "*"),
     ("pagedllm.contract.quantization", ("QUANTIZATION_METHOD_NAMES", "ACT_NONE",

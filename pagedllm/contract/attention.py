@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagedllm.contract import layer_fences
+
 ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap")
 
 
@@ -161,7 +163,9 @@ class AttentionImpl(ABC):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The attention of ``forward`` once this step's K/V are in the cache: ``prefill`` on the
-        prefill rows, ``decode`` on the decode rows, zeros for padded rows. Same shapes."""
+        prefill rows, ``decode`` on the decode rows, zeros for padded rows. Same shapes. First
+        the waits a layer-wise import registered for this layer's cache (layer_fences.py)."""
+        layer_fences.consume(kv_cache)
         t = query.shape[0]
         q = query.view(t, self.num_heads, self.head_size)
         k = key.view(t, self.num_kv_heads, self.head_size)

@@ -4,7 +4,9 @@ dim 1. A backend with kernels overrides them.
 
 Plugin API 2.2 adds block export/import between the device cache and host staging buffers (KV
 offload tiers, KV transfer between engines): ``export_blocks`` / ``import_blocks``, declared by
-``Capabilities.kv_export``; the torch reference is ``pagedllm.reference.kv_transfer``."""
+``Capabilities.kv_export``; the torch reference is ``pagedllm.reference.kv_transfer``. 2.3 adds
+layer-major staging views (``Capabilities.kv_export_layer_major``) and the layer-wise fence of an
+import (``CacheTransfer.fence_layers``)."""
 from __future__ import annotations
 
 import torch
@@ -34,6 +36,13 @@ class CacheTransfer:
         """Make device work queued after this call wait for the transfer (an import's blocks
         are then visible to the next step) without blocking the host; the default waits."""
         self.wait()
+
+    def fence_layers(self) -> None:
+        """(plugin API 2.3) An import's weaker fence: the backend's attention for layer l (the
+        step's forward queued after this call) waits for layer l's blocks only, so early layers
+        compute while later ones still copy. The blocks' other readers (the next step's moves)
+        still call ``fence``. The default is ``fence``."""
+        self.fence()
 
 
 class CacheOps:
@@ -77,6 +86,8 @@ class CacheOps:
         ``kv_caches[l].select(1, block_ids[i])`` (contiguous, in the cache's dtype: fp8 caches
         move bits). The blocks are captured as of the call (device work queued afterwards may
         overwrite them); the staging bytes are readable once the returned transfer is done.
+        With ``Capabilities.kv_export_layer_major`` (2.3), ``staging`` may also be a view whose
+        layer planes ``staging[:, l]`` are contiguous and whose rows are not.
         Declared by ``Capabilities.kv_export``; reference: pagedllm.reference.kv_transfer."""
         raise NotImplementedError(f"{type(self).__name__} does not export KV blocks "
                                   "(Capabilities.kv_export is not declared)")

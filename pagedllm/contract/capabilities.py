@@ -53,6 +53,13 @@ class Capabilities:
     # import_blocks); KV offload tiers and KV transfer connectors are refused without it. The
     # conformance suite checks round trips where declared (test_kv_transfer.py).
     kv_export: bool = False
+    # (plugin API 2.3, with kv_export) export_blocks / import_blocks also take staging views
+    # whose layer planes ``staging[:, l]`` are contiguous and whose rows are not (a [layers, n,
+    # bytes] tensor transposed): the host tier then keeps its pool layer-major, so a load can
+    # copy each layer's blocks on its own and an import's ``CacheTransfer.fence_layers`` can let
+    # layer l's attention start once layer l has landed. The conformance suite checks round
+    # trips through such views where declared.
+    kv_export_layer_major: bool = False
 
     def __post_init__(self) -> None:
         if self.multi_token_decode is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-PLUGIN_API_VERSION = "2.2"
+PLUGIN_API_VERSION = "2.3"
 
 
 class PluginAPIDeprecationWarning(DeprecationWarning):

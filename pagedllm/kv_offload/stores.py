@@ -19,26 +19,42 @@ logger = logging.getLogger(__name__)
 
 
 class HostPool(BlockStore):
-    """Slots in host memory: one uint8 tensor [num_slots, num_layers, block_nbytes] (pinned
-    where the backend pins host memory, else mapped lazily: only slots written cost memory).
-    Runs of slots are views of it, so the device copies to and from it directly."""
+    """Slots in host memory (pinned where the backend pins host memory, else mapped lazily:
+    only slots written cost memory). Runs of slots are views of it, so the device copies to and
+    from it directly. Layer-major where the cache ops take such views
+    (``CacheLayout.layer_major``): one uint8 tensor [num_layers, num_slots, block_nbytes], a
+    run's view [count, num_layers, block_nbytes] its transpose, whose layer planes are each one
+    contiguous piece (a load copies and fences each layer on its own); else [num_slots,
+    num_layers, block_nbytes]."""
 
     def __init__(self, name: str, num_slots: int, layout: CacheLayout) -> None:
         self.name = name
         self.num_slots = num_slots
-        shape = (num_slots, layout.num_layers, layout.block_nbytes)
+        self.dim = 1 if layout.layer_major else 0  # the slots' dim
+        shape = ((layout.num_layers, num_slots, layout.block_nbytes) if layout.layer_major
+                 else (num_slots, layout.num_layers, layout.block_nbytes))
         self.pool = (torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
                      if layout.pin_memory and num_slots else lazy_zeros(shape, torch.uint8))
 
+    def _rows(self, pool: torch.Tensor) -> torch.Tensor:
+        """``pool`` (or a part of it along the slots) as [slots, num_layers, block_nbytes]."""
+        return pool.transpose(0, 1) if self.dim else pool
+
     def write(self, slots: list[Any], rows: torch.Tensor) -> None:
-        self.pool.index_copy_(0, torch.tensor(slots, dtype=torch.int64), rows)
+        index = torch.tensor(slots, dtype=torch.int64)
+        self.pool.index_copy_(self.dim, index, rows.transpose(0, 1) if self.dim else rows)
 
     def read(self, slots: list[Any], out: torch.Tensor) -> None:
-        torch.index_select(self.pool, 0, torch.tensor(slots, dtype=torch.int64), out=out)
+        index = torch.tensor(slots, dtype=torch.int64)
+        if self.dim:
+            out.copy_(self._rows(self.pool.index_select(1, index)))
+        else:
+            torch.index_select(self.pool, 0, index, out=out)
 
     def view(self, first: Any, count: int) -> torch.Tensor | None:
-        return self.pool[first:first + count] if 0 <= first and first + count <= self.num_slots \
-            else None
+        if not (0 <= first and first + count <= self.num_slots):
+            return None
+        return self._rows(self.pool.narrow(self.dim, first, count))
 
     def close(self) -> None:
         self.pool = torch.empty(0, dtype=torch.uint8)

@@ -16,8 +16,11 @@ straight from it, with no staging buffer and no host copy (a 4k-token document o
 queued jobs that touch its slots; its I/O job only waits for the export, keeping the order.
 
 Ready loads (``KVStepOps.ready_loads``: a store that cannot fail, the host tier) run in the
-worker's own thread after the queued jobs on their slots, queued on the device and fenced
-before the step's forward, which reads them (the sequence was admitted in this step).
+worker's own thread after the queued jobs on their slots, queued on the device before the
+step's forward, which reads them (the sequence was admitted in this step): fenced layer by layer
+(``CacheTransfer.fence_layers``: with a layer-major host pool the cuda import copies and fences
+each layer on its own, so layer l's attention waits for layer l alone), and in full before the
+next step's moves.
 """
 from __future__ import annotations
 
@@ -50,6 +53,9 @@ class CacheLayout:
     block_nbytes: int
     rank: int = 0
     pin_memory: bool = False
+    # the cache ops take layer-major staging views (Capabilities.kv_export_layer_major): host
+    # memory stores keep each layer's slots contiguous
+    layer_major: bool = False
 
     @property
     def row_bytes(self) -> int:
@@ -190,6 +196,8 @@ class KVWorkerRunner:
         """Join the previous step's loads, then save / demote as ``ops.stores`` says, in
         order (before the step's swaps and writes)."""
         self.join_loads()
+        for transfer in self._ready:  # fenced layer by layer in their step: in full from here
+            transfer.fence()
         if ops is None or not ops.stores:
             return
         for run in _save_runs(ops.stores):
@@ -314,8 +322,8 @@ class KVWorkerRunner:
             source.read([slots[i] for i in staged], rows)
             ids = torch.tensor([blocks[i] for i in staged], dtype=torch.int64)
             transfers.append(self.cache_ops.import_blocks(rows, caches, ids))
-        for transfer in transfers:
-            transfer.fence()
+        for transfer in transfers:  # each layer's attention waits for that layer only
+            transfer.fence_layers()
         self._ready += transfers  # each holds its buffers until done
         self.counters[f"loaded_blocks:{store}"] += len(blocks)
         self.load_seconds.append(time.perf_counter() - start)
@@ -406,7 +414,8 @@ def open_runner(worker: Any, specs: list[tuple[str, dict[str, Any]]]) -> KVWorke
     layout = CacheLayout(num_layers=len(caches),
                          block_nbytes=worker.cache_ops.block_nbytes(caches[0]),
                          rank=getattr(worker, "rank", 0),
-                         pin_memory=worker.backend.host_pin_memory())
+                         pin_memory=worker.backend.host_pin_memory(),
+                         layer_major=worker.backend.capabilities.kv_export_layer_major)
     parts = [load_class(path)(worker.config, spec, layout) for path, spec in specs]
     return KVWorkerRunner(worker.cache_ops, layout, parts)
 

@@ -31,7 +31,7 @@ _BACKEND_CLS = pytest.StashKey["type[Backend] | None"]()
 _SAMPLED_OUT = pytest.StashKey[set]()  # node ids --conformance-sample leaves out
 _SWEEP = pytest.StashKey[SweepChoice]()
 # capabilities read with a default (a Capabilities without the field declares the default)
-OPTIONAL_CLAIMS = {"deterministic": True}
+OPTIONAL_CLAIMS = {"deterministic": True, "kv_export_layer_major": False}
 
 
 # --- options and markers -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from pagedllm.backends.cpu.cache_ops import CpuCacheOps
@@ -37,9 +38,11 @@ class GatedPool(HostPool):
         super().write(slots, rows)
 
 
-def make_runner(tmp_path, caches: list[torch.Tensor]) -> tuple[KVWorkerRunner, CacheLayout]:
+def make_runner(tmp_path, caches: list[torch.Tensor],
+                layer_major: bool = False) -> tuple[KVWorkerRunner, CacheLayout]:
     ops = CpuCacheOps()
-    layout = CacheLayout(num_layers=NUM_LAYERS, block_nbytes=ops.block_nbytes(caches[0]))
+    layout = CacheLayout(num_layers=NUM_LAYERS, block_nbytes=ops.block_nbytes(caches[0]),
+                         layer_major=layer_major)
     part = KVConnectorWorker(None, {}, layout)
     part.stores = {"host": HostPool("host", 24, layout),
                    "slow": GatedPool("slow", 4, layout),
@@ -47,9 +50,12 @@ def make_runner(tmp_path, caches: list[torch.Tensor]) -> tuple[KVWorkerRunner, C
     return KVWorkerRunner(ops, layout, [part]), layout
 
 
-def test_runs_move_directly_and_scattered_slots_through_staging(tmp_path) -> None:
+@pytest.mark.parametrize("layer_major", [False, True], ids=["slot-major", "layer-major"])
+def test_runs_move_directly_and_scattered_slots_through_staging(tmp_path, layer_major) -> None:
+    """Either host pool layout (layer-major: Capabilities.kv_export_layer_major), queued loads
+    and loads ready before the step alike."""
     caches = make_caches(0)
-    runner, _ = make_runner(tmp_path, caches)
+    runner, _ = make_runner(tmp_path, caches, layer_major)
     # blocks 0..7 into host slots 4..11 (a run: direct), blocks 8, 9 into slots 20, 14, blocks
     # 10..14 into slots 19..15 (a run downwards: direct, as a sequence evicted last block first)
     saves = ([("save", "host", b, 4 + b) for b in range(8)]
@@ -59,8 +65,12 @@ def test_runs_move_directly_and_scattered_slots_through_staging(tmp_path) -> Non
     runner.before_moves(KVStepOps(stores=saves), caches)
     runner.flush()
     pool = runner.stores["host"]
-    assert pool.view(4, 8).data_ptr() == pool.pool[4].data_ptr()  # a view: no copy
-    assert bytes(pool.pool[19].numpy()) == b"".join(expected[10])  # slot 19: block 10
+    view = pool.view(4, 8)  # a view of the pool: no copy
+    assert view.untyped_storage().data_ptr() == pool.pool.untyped_storage().data_ptr()
+    assert view.is_contiguous() != layer_major
+    assert all(view[:, layer].is_contiguous() for layer in range(NUM_LAYERS)) == layer_major
+    slot19 = pool.view(19, 1)[0].contiguous().numpy().tobytes()
+    assert slot19 == b"".join(expected[10])  # slot 19: block 10
     # load them back into blocks 16.. (direct run 4..11, scattered 20, 14, downward 19..15)
     loads = ([("host", 4 + b, 16 + b) for b in range(8)] + [("host", 20, 24), ("host", 14, 25)]
              + [("host", 19 - i, 26 + i) for i in range(5)])
@@ -73,6 +83,12 @@ def test_runs_move_directly_and_scattered_slots_through_staging(tmp_path) -> Non
     for i in range(5):
         assert block_bytes(caches, 26 + i) == expected[10 + i]
     assert runner.counters["loaded_blocks:host"] == 15
+    # the same slots again as loads ready before the step (the host tier's same-step hits)
+    runner.after_moves(KVStepOps(ready_loads=[(st, sl, b + 1) for st, sl, b in loads]), caches)
+    runner.before_moves(None, caches)  # the next step fences them in full
+    for b in range(8):
+        assert block_bytes(caches, 17 + b) == expected[b]
+    assert block_bytes(caches, 27 + 4) == expected[14]
     runner.close()
 
 

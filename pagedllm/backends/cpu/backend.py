@@ -36,7 +36,9 @@ class CpuBackend(Backend):
                                 quantizations=("awq", "gptq", "compressed-tensors", "fp8"),
                                 kv_cache_dtypes=("auto", "fp8"),
                                 lora=True,  # LoRA: one GEMM per adapter in use (lora_ops.py)
-                                kv_export=True)  # block export/import: cache_ops.py
+                                # block export/import: cache_ops.py (the reference
+                                # takes layer-major staging views too)
+                                kv_export=True, kv_export_layer_major=True)
     worker_class = "pagedllm.backends.cpu.worker:CpuWorker"
 
     native_ops = True  # the csrc/cpu layer ops where they load; False for attention_backend="torch"

@@ -38,8 +38,9 @@ class CudaBackend(Backend):
                                 kv_cache_dtypes=("auto", "fp8"),
                                 # LoRA's shrink/expand on Triton (triton_lora.py; graph-safe)
                                 lora=True,
-                                # block export/import on a side stream (cache_ops.py)
-                                kv_export=True)
+                                # block export/import on side streams (cache_ops.py);
+                                # layer-major host pools: imports fenced layer by layer
+                                kv_export=True, kv_export_layer_major=True)
     worker_class = "pagedllm.backends.cuda.worker:CudaWorker"
     # what differs between the CUDA and ROCm builds of the same sources (declared, not scattered)
     platform: ClassVar[str] = "cuda"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.backends.cuda import ops
+from pagedllm.contract import layer_fences
 from pagedllm.contract.cache_ops import CacheOps, CacheTransfer
 from pagedllm.reference import kv_transfer
 
@@ -51,14 +52,22 @@ class KernelCacheOps(CacheOps):
         side = _side_stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
+        planes = _layer_planes(staging)
         with torch.cuda.stream(side):
             ids = block_ids.to(device, non_blocking=True)
-            gathered = torch.empty(staging.shape, dtype=torch.uint8, device=device)
+            # layer-major staging: gather layer-major too, and copy each layer's plane
+            gathered = (torch.empty((staging.shape[1], n, staging.shape[2]), dtype=torch.uint8,
+                                    device=device).transpose(0, 1) if planes
+                        else torch.empty(staging.shape, dtype=torch.uint8, device=device))
             for layer, cache in enumerate(kv_caches):
                 src = kv_transfer.byte_view(cache)
                 kv_transfer.staging_rows(gathered, layer, src).copy_(src.index_select(1, ids))
             current.wait_stream(side)
-            staging.copy_(gathered, non_blocking=True)
+            if planes:
+                for layer in range(staging.shape[1]):
+                    staging[:, layer].copy_(gathered[:, layer], non_blocking=True)
+            else:
+                staging.copy_(gathered, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
         return _StreamTransfer(event, (gathered, ids, staging))
@@ -80,15 +89,26 @@ class KernelCacheOps(CacheOps):
         device = kv_caches[0].device
         side = _side_stream(device, _LOAD_STREAMS)
         side.wait_stream(torch.cuda.current_stream(device))
+        planes = _layer_planes(staging)
+        layers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         with torch.cuda.stream(side):
             ids = block_ids.to(device, non_blocking=True)
-            rows = staging.to(device, non_blocking=True)
+            if planes:  # layer-major staging: each layer copied, scattered and marked in turn
+                rows = torch.empty((staging.shape[1], n, staging.shape[2]), dtype=torch.uint8,
+                                   device=device).transpose(0, 1)
+            else:
+                rows = staging.to(device, non_blocking=True)
             for layer, cache in enumerate(kv_caches):
                 dst = kv_transfer.byte_view(cache)
+                if planes:
+                    rows[:, layer].copy_(staging[:, layer], non_blocking=True)
                 dst.index_copy_(1, ids, kv_transfer.staging_rows(rows, layer, dst))
+                if planes:
+                    layers.append((cache, torch.cuda.Event()))
+                    layers[-1][1].record(side)
             event = torch.cuda.Event()
             event.record(side)
-        return _StreamTransfer(event, (rows, ids, staging))
+        return _StreamTransfer(event, (rows, ids, staging), layers)
 
 
 _DONE = CacheTransfer()
@@ -104,12 +124,23 @@ def _side_stream(device: torch.device,
     return streams[index]
 
 
-class _StreamTransfer(CacheTransfer):
-    """A transfer queued on the side stream; ``keep`` holds its buffers until it is done."""
+def _layer_planes(staging: torch.Tensor) -> bool:
+    """Whether ``staging`` is a layer-major view (Capabilities.kv_export_layer_major): its rows
+    not contiguous, each layer's plane ``staging[:, l]`` one contiguous piece."""
+    return (staging.shape[1] > 1 and not staging.is_contiguous()
+            and all(staging[:, layer].is_contiguous() for layer in range(staging.shape[1])))
 
-    def __init__(self, event: torch.cuda.Event, keep: tuple) -> None:
+
+class _StreamTransfer(CacheTransfer):
+    """A transfer queued on the side stream; ``keep`` holds its buffers until it is done;
+    ``layers`` (an import from layer-major staging): (layer cache, the event after its blocks
+    are written)."""
+
+    def __init__(self, event: torch.cuda.Event, keep: tuple,
+                 layers: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None) -> None:
         self.event = event
         self._keep: tuple | None = keep
+        self.layers = layers or []
 
     def done(self) -> bool:
         finished = bool(self.event.query())
@@ -123,3 +154,10 @@ class _StreamTransfer(CacheTransfer):
 
     def fence(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
+
+    def fence_layers(self) -> None:
+        """Each layer's attention waits for its own layer's event (layer_fences.py)."""
+        if not self.layers:
+            return self.fence()
+        for cache, event in self.layers:
+            layer_fences.add(cache, lambda e=event: torch.cuda.current_stream().wait_event(e))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.contract import layer_fences
 from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.core.batch import ScheduledBatch
 from pagedllm.worker.model_runner import ModelInput
@@ -41,10 +42,19 @@ def capture_graph(forward: Callable[[], object], pool: object,
         for _ in range(2):
             forward()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = FencedGraph()
     with torch.cuda.graph(graph, pool=pool):
         forward()
     return graph
+
+
+class FencedGraph(torch.cuda.CUDAGraph):
+    """A graph whose replay first runs the layer-wise waits of imports still pending
+    (contract/layer_fences.py): the attention's Python code, which runs them, is not replayed."""
+
+    def replay(self) -> None:
+        layer_fences.consume_all()
+        super().replay()
 
 
 class DecodeGraphs:
