@@ -168,6 +168,10 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
       --output-json "$OUT/lora.json" "${@:2}" 2>&1 | tee "$OUT/lora.log" | tail -8
     ;;
   kvoff)
+    # the cache ops' export/import (layer-major views and layer-wise fences included) on the GPU
+    timeout 90 python -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin \
+      --pyargs pagedllm.testing.test_kv_transfer --device cuda 2>&1 | tee "$OUT/kv_transfer.log" \
+      | tail -3
     model
     timeout 480 python benchmarks/kv_offload.py --device cuda --model "$MODEL" --docs 64 \
       --doc-tokens 4096 --device-docs 8 --disagg-requests 0 --config recompute --config host \
