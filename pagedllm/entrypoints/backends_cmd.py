@@ -40,6 +40,9 @@ FLAG_HELP: dict[str, str] = {
             "the reference over ranks and slots, and mixed-adapter engine output)",
     "kv_export": "exports/imports KV blocks to host staging buffers, bit-exact (checked: round "
                  "trips per layout, block size and KV dtype); KV offload and connectors need it",
+    "kv_export_layer_major": "takes layer-major staging views and fences imports layer by layer "
+                             "(checked: bytes, and the attention over layer-fenced imports); the "
+                             "host tier then loads layer by layer",
     "deterministic": "the same step twice gives the same bits (checked: attention steps, ops "
                      "and engine rounds compared bit for bit)",
 }
