@@ -198,6 +198,7 @@ class KVWorkerRunner:
         self.join_loads()
         for transfer in self._ready:  # fenced layer by layer in their step: in full from here
             transfer.fence()
+        self._ready = [t for t in self._ready if not t.done()]  # each holds buffers until done
         if ops is None or not ops.stores:
             return
         for run in _save_runs(ops.stores):
@@ -315,7 +316,6 @@ class KVWorkerRunner:
         start = time.perf_counter()
         source = self.stores[store]
         self._wait_for({(store, s) for s in slots})
-        self._ready = [t for t in self._ready if not t.done()]
         transfers, staged = self._import_direct(source, slots, blocks, caches)
         if staged:
             rows = self.layout.staging(len(staged))
