@@ -159,24 +159,16 @@ class _Trace:
 
     def before(self, i: int) -> None:
         if self.profile and i == self.first:
-            from torch.profiler import ProfilerActivity, profile
+            import _profile
 
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda"
-                                             else [])
-            self.prof = profile(activities=acts)
-            self.prof.__enter__()
+            self.prof = _profile.start(self.device)
 
     def after(self, i: int) -> None:
         if self.prof is None or i != self.first + int(self.profile[2]) - 1:
             return
-        self.prof.__exit__(None, None, None)
-        folder, name = Path(self.profile[0]), self.profile[1]
-        folder.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(folder / f"{name}.json.gz"))
-        sort = "self_cuda_time_total" if self.device == "cuda" else "self_cpu_time_total"
-        table = self.prof.key_averages()
-        (folder / f"{name}.txt").write_text(table.table(sort_by=sort, row_limit=40) + "\n"
-                                            + table.table(sort_by="cpu_time_total", row_limit=40))
+        import _profile
+
+        _profile.save(self.prof, self.profile[0], self.profile[1], self.device)
         self.prof = None
 
 

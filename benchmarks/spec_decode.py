@@ -188,22 +188,14 @@ def step_cost(device: str, batches: list[int], context: int, k: int, iters: int,
             return (time.perf_counter() - start) / iters
 
         def profile(sched: ScheduledBatch, name: str) -> None:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+            import _profile
 
-            activities = [ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if engine.backend.name == "cuda" else [])
-            with torch_profile(activities=activities) as prof:
-                for _ in range(10):
-                    runner.execute(sched, worker.kv_caches)
-                engine.backend.synchronize()
-            out = Path(profile_dir or ".")
-            out.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(out / f"{name}.json"))
-            sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
-            (out / f"{name}.txt").write_text(
-                prof.key_averages().table(sort_by=sort, row_limit=40) + "\n"
-                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            device = "cuda" if engine.backend.name == "cuda" else "cpu"
+            prof = _profile.start(device)
+            for _ in range(10):
+                runner.execute(sched, worker.kv_caches)
+            engine.backend.synchronize()
+            _profile.save(prof, profile_dir or ".", name, device)
 
         row: dict[str, Any] = {"batch": b, "context": context, "k": k}
         for mode, steps in (("graphs", graphs), ("eager", None)):
