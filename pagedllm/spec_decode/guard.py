@@ -59,7 +59,11 @@ class _Rate:
     first such sample would weigh most of the decision; tokens are summed, not a median taken,
     because a speculative step's tokens vary from 1 to k + 1 and throughput is their mean.
     Seconds the mode paid between its steps (``pending``: see SpecGuard.charge) count with the
-    step that follows them and are never left out."""
+    step that follows them and are never left out, at their share of a full window while the
+    window is filling: a one-time cost (the proposer's pass over a new prompt) weighs on a rate
+    measured over its first 6 steps as it does on one over 16. Counted whole, it once made
+    speculation at batch 1 (3x plain once measured over a window) look slower than plain after a
+    new prompt's first steps, and the rest of that request decoded plain."""
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0
     pending: float = 0.0
@@ -76,7 +80,7 @@ class _Rate:
         kept = sorted(self.recent, key=lambda entry: entry[1])
         if len(kept) > 2:
             kept = kept[:len(kept) - max(1, len(kept) // 8)]
-        charged = sum(c for _, _, c in self.recent)
+        charged = sum(c for _, _, c in self.recent) * len(self.recent) / WINDOW
         return sum(t for t, _, _ in kept) / (sum(s for _, s, _ in kept) + charged)
 
 

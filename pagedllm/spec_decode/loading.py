@@ -97,10 +97,10 @@ def check_draft_config(spec: SpeculativeConfig, config: EngineConfig) -> Any:
 def build_proposer(spec: SpeculativeConfig, config: EngineConfig, target: nn.Module,
                    ctx: LayerContext) -> DeviceProposer:
     """Load the draft model or EAGLE head onto ``ctx``'s device (float weights in the target's
-    dtype, one unsharded copy)."""
+    dtype, one unsharded copy; built ``few_rows``: its draft passes run a row per sequence)."""
     assert spec.model is not None and spec.method in ("draft_model", "eagle", "eagle3")
     hf = check_draft_config(spec, config)
-    own = dataclasses.replace(ctx, quant=None)
+    own = dataclasses.replace(ctx, quant=None, few_rows=True)
     block_size = config.cache.block_size
     max_len = config.model.max_model_len
     with torch.inference_mode():

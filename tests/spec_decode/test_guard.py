@@ -152,3 +152,21 @@ def test_a_new_prompt_at_a_small_batch_is_measured_afresh() -> None:
     _run(h, 32, spec_rate=50, plain_rate=100, steps=64)
     h.new_sequences(32)
     assert not h.prefers(32)
+
+
+def test_a_one_time_charge_weighs_as_its_share_of_a_window() -> None:
+    """The proposer's pass over a new prompt (30 ms) is charged to speculation. Right after a
+    batch-1 bucket forgot its speculation rate (a new prompt) only 6 speculative steps are
+    measured: counted whole against those 6, the charge made speculation (230 tok/s in its
+    steps) look slower than plain (176 tok/s), and the request decoded plain; as a full
+    window's share it does not."""
+    g = SpecGuard()
+    _run(g, 1, spec_rate=50, plain_rate=176, steps=64)  # the last prompt's drafts were rejected
+    assert not g.prefers(1)
+    g.new_sequences(1)
+    g.charge(1, 0.030)
+    for _ in range(6):
+        assert g.speculate(1)
+        g.record(1, True, 2, 0.0087)
+    assert g.prefers(1)
+    assert _run(g, 1, spec_rate=230, plain_rate=176, steps=64) > 0.9

@@ -4,7 +4,7 @@
 torch.utils.cpp_extension.load (once) into the shared kernel cache
 (pagedllm/backends/kernel_build.py: $PAGEDLLM_CACHE_DIR, default
 ~/.cache/pagedllm/kernels/<hash of torch version, sources and flags>); later processes load the
-cached libraries. Five libraries (``LIBRARIES``), each built for its own ISA and only when asked
+cached libraries. Six libraries (``LIBRARIES``), each built for its own ISA and only when asked
 for, so a first run builds what it uses: every model runs ``CORE`` (the attention and the layer
 ops); the quantized routes, thread binding and the MoE op load theirs on first use. Libraries
 missing from the cache are built at the same time (one compiler per source file, up to ninja's
@@ -40,6 +40,7 @@ LAYERS = "pagedllm_cpu_layers"
 QUANT = "pagedllm_cpu_quant"
 THREADS = "pagedllm_cpu_threads"
 MOE = "pagedllm_cpu_moe"
+FEW_ROWS = "pagedllm_cpu_few_rows"
 CORE = (ATTENTION, LAYERS)  # what every model runs on the native attention
 # library name -> (its csrc/cpu sources, the ISA it is built for: "avx2", or "torch" for the one
 # torch's CPU kernels run here)
@@ -54,6 +55,8 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     "pagedllm_cpu_threads": (("threads_cpu.cpp",), "torch"),
     # the MoE layer on packed experts in one call (backends/cpu/fused_moe.py)
     "pagedllm_cpu_moe": (("fused_moe_cpu.cpp",), "torch"),
+    # linears of proposers at 1..8 rows (backends/cpu/few_rows.py)
+    "pagedllm_cpu_few_rows": (("few_rows_linear_cpu.cpp",), "torch"),
 }
 # headers the sources include: hashed into every library's build directory name (not compiled)
 HEADERS = ("attention_args.h", "attention_vec.h", "vec_math.h")

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.backends.cpu.few_rows import few_rows_linear, few_rows_prepare
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ def _release_weight(layer: Any) -> None:
 def linear_prepare(layer: Any) -> None:
     """Pack ``layer.weight`` [out, in] for ``linear`` and release the plain weight where that is
     safe (see the module doc); layers left unpacked (no oneDNN) keep it for F.linear."""
+    few_rows_prepare(layer)  # a proposer's layer: the few-rows kernel's copy too
     weight = layer.weight.data
     if weight.dtype == torch.float32 and weight.is_contiguous() and fp32_linear_route() == "mkl":
         layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_HINT)
@@ -265,6 +267,9 @@ def linear_prepare(layer: Any) -> None:
 
 def linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype; a packed layer's plain weight is never read."""
+    few = few_rows_linear(x, layer)
+    if few is not None:
+        return few
     mkl = getattr(layer, "mkl_weight", None)
     if mkl is not None:
         # [M, in] float32 rows; the packed sgemm computes them from the packing only when told M

@@ -29,6 +29,9 @@ class LayerContext:
     layer_partition: tuple[int, ...] | None = None
     # the checkpoint's quantization (models/layers/quantization QuantizationConfig) or None
     quant: Any = None
+    # the model runs a handful of rows per call (a speculative proposer's draft passes): a
+    # backend may keep a copy of its linears laid out for that (cpu: backends/cpu/few_rows.py)
+    few_rows: bool = False
 
 
 class LinearBase(nn.Module):
