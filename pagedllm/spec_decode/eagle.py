@@ -320,6 +320,15 @@ class Eagle3Head(_HeadBase):
         full[:, ids] = logits
         return full
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T] ``compute_logits(hidden).argmax(-1)`` without the target-vocabulary scatter: the
+        draft vocabulary's argmax, mapped to its target id (``d2t`` is increasing, so a tie
+        resolves to the same token)."""
+        ids = self.lm_head.compute_logits(hidden).argmax(dim=-1)
+        if not self.has_d2t:
+            return ids
+        return ids + self.d2t[ids]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.").replace("midlayer.", "layers.0.")

@@ -104,24 +104,22 @@ class DeviceProposer(ABC):
 
     # --- shared driving loop ---------------------------------------------------------------
     def _run(self, seqs: list[MirrorSeq], first: Any, step: Any) -> dict[int, list[int]]:
-        """``first(inputs) -> (logits of the drafting rows, state)`` runs the mirror pass;
-        ``step(tokens, positions, state) -> (logits, state)`` one draft position for each
+        """``first(inputs) -> (greedy tokens of the drafting rows, state)`` runs the mirror
+        pass; ``step(tokens, positions, state) -> (tokens, state)`` one draft position for each
         drafting sequence. Greedy drafts (q = one-hot)."""
         drafting = [s for s in seqs if _drafts(s)]
         if not seqs:
             return {}
-        logits, state = first(seqs)
+        tokens, state = first(seqs)  # [len(drafting)] on the device
         self.num_forwards += 1
         if not drafting:
             return {}
-        tokens = logits.argmax(dim=-1)  # [len(drafting)] on the device
         drafts = [tokens]
         want = max(s.num_drafts for s in drafting)
         pos = [s.start_pos + len(s.tokens) for s in drafting]  # the new token's position
         for i in range(1, want):
-            logits, state = step(tokens, [p + i for p in pos], state, drafting)
+            tokens, state = step(tokens, [p + i for p in pos], state, drafting)
             self.num_forwards += 1
-            tokens = logits.argmax(dim=-1)
             drafts.append(tokens)
         table = torch.stack(drafts, dim=1).tolist()  # [len(drafting), want]
         return {s.seq_id: table[j][:s.num_drafts] for j, s in enumerate(drafting)}
@@ -179,7 +177,10 @@ class DraftModelProposer(DeviceProposer):
         rows = [last[i] for i, s in enumerate(seqs) if _drafts(s)]
         if not rows:
             return hidden[:0], None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), None
+        return self._greedy(hidden[torch.tensor(rows, device=self.device)]), None
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def _step(self, tokens: torch.Tensor, positions: list[int], state: Any,
               drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
@@ -187,7 +188,7 @@ class DraftModelProposer(DeviceProposer):
         batch = [_sched(s.seq_id, [t], p, s.block_table, 1)
                  for s, t, p in zip(drafting, host, positions)]
         hidden, last = self._forward(batch)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]), None
+        return self._greedy(hidden[torch.tensor(last, device=self.device)]), None
 
 
 class EagleProposer(DeviceProposer):
@@ -229,10 +230,11 @@ class EagleProposer(DeviceProposer):
             return self.head.combine(self.aux_states.features())
         return final_hidden
 
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+    def _greedy(self, out: torch.Tensor) -> torch.Tensor:
+        """[T] greedy draft tokens (target ids) of the head's outputs."""
         if self.head.version == 3:
-            return self.head.compute_logits(out)
-        return self.target.compute_logits(out)
+            return self.head.greedy(out)
+        return self.target.compute_logits(out).argmax(dim=-1)
 
     def propose(self, seqs: list[MirrorSeq], target_hidden: torch.Tensor | None
                 ) -> dict[int, list[int]]:
@@ -289,7 +291,7 @@ class EagleProposer(DeviceProposer):
         if not pick:
             return features[:0], None
         idx = torch.tensor(pick, device=self.device)
-        return self._logits(out[idx]), feed[idx]
+        return self._greedy(out[idx]), feed[idx]
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -304,4 +306,4 @@ class EagleProposer(DeviceProposer):
                  for s, t, p in zip(drafting, host, positions)]
         out, feed, last = self._forward(batch, list(state.split(1)))
         idx = torch.tensor(last, device=self.device)
-        return self._logits(out[idx]), feed[idx]
+        return self._greedy(out[idx]), feed[idx]
