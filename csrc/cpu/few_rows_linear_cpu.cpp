@@ -10,6 +10,10 @@
 // past ``out``), so a block is one contiguous run of in * B floats, and each row's B outputs
 // accumulate in registers (M x 4 vectors) over a broadcast of x[m][i] — no horizontal sums.
 //
+// Weights are packed as float32 or bfloat16 (the caller packs bf16 where every weight is exactly
+// a bf16 value, as a bf16 checkpoint's are in a float32 model: half the bytes, no rounding);
+// bf16 columns are widened to float32 in registers.
+//
 // Arithmetic: float32 fused multiply-adds in input order i = 0, 1, ...: not the rounding of
 // oneDNN's or torch's GEMMs (their blocked sums), so results agree to float32 accumulation
 // error, not bit for bit. The route is for proposers, whose outputs only propose tokens (the
@@ -22,15 +26,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using BVec = at::vec::Vectorized<at::BFloat16>;  // 2 x Vec::size() lanes
 constexpr int64_t kVecs = 4;        // vectors of columns per packed block
 constexpr int64_t kMaxRows = 8;
 
@@ -39,8 +46,9 @@ int64_t block_width() { return kVecs * static_cast<int64_t>(Vec::size()); }
 at::Tensor few_rows_linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "few_rows_linear_pack: weight must be [out, in], got ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat,
-              "few_rows_linear_pack: weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "few_rows_linear_pack: weight must be float32 or bfloat16, got ",
+              weight.scalar_type());
   const int64_t out = weight.size(0), in = weight.size(1), b = block_width();
   const int64_t blocks = (out + b - 1) / b;
   at::Tensor padded = at::zeros({blocks * b, in}, weight.options());
@@ -48,10 +56,26 @@ at::Tensor few_rows_linear_pack(const at::Tensor& weight) {
   return padded.view({blocks, b, in}).transpose(1, 2).contiguous();  // [blocks, in, B]
 }
 
+// V float vectors of weight columns at ``p``.
+template <int V>
+inline void load_columns(const float* p, Vec* out) {
+  for (int v = 0; v < V; ++v) out[v] = Vec::loadu(p + v * Vec::size());
+}
+
+template <int V>
+inline void load_columns(const at::BFloat16* p, Vec* out) {
+  static_assert(V % 2 == 0, "bf16 columns widen two float vectors at a time");
+  for (int v = 0; v < V; v += 2) {
+    auto wide = at::vec::convert_to_float<at::BFloat16>(BVec::loadu(p + v * Vec::size()));
+    out[v] = std::get<0>(wide);
+    out[v + 1] = std::get<1>(wide);
+  }
+}
+
 // One packed block's columns [col, col + cols) for all M rows. V vectors of the block at a
 // time (V = kVecs for few rows; fewer where M rows x V accumulators would not fit registers).
-template <int M, int V>
-void block_rows(const float* __restrict x, int64_t in, const float* __restrict w,
+template <typename W, int M, int V>
+void block_rows(const float* __restrict x, int64_t in, const W* __restrict w,
                 const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
   constexpr int64_t L = Vec::size();
   const int64_t b = block_width();
@@ -64,10 +88,10 @@ void block_rows(const float* __restrict x, int64_t in, const float* __restrict w
       if (bias != nullptr && c < cols) init = Vec::loadu(bias + c, std::min<int64_t>(L, cols - c));
       for (int m = 0; m < M; ++m) acc[m][v] = init;
     }
-    const float* wp = w + v0 * L;
+    const W* wp = w + v0 * L;
     for (int64_t i = 0; i < in; ++i, wp += b) {
       Vec wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = Vec::loadu(wp + v * L);
+      load_columns<V>(wp, wv);
       for (int m = 0; m < M; ++m) {
         const Vec xv = Vec(x[m * in + i]);
         for (int v = 0; v < V; ++v) acc[m][v] = at::vec::fmadd(xv, wv[v], acc[m][v]);
@@ -85,11 +109,12 @@ void block_rows(const float* __restrict x, int64_t in, const float* __restrict w
   }
 }
 
-template <int M>
-void run_rows(const float* x, int64_t in, const float* packed, const float* bias, float* y,
+template <typename W, int M>
+void run_rows(const float* x, int64_t in, const W* packed, const float* bias, float* y,
               int64_t out) {
   // M x V accumulators + V weights + one broadcast stay in 32 (AVX-512) or 16 (AVX2) registers
-  constexpr int V = (M <= 5 && Vec::size() == 16) ? 4 : (M <= 3 ? 4 : (M <= 6 ? 2 : 1));
+  // (V even: bf16 columns widen in pairs)
+  constexpr int V = (M <= 5 && Vec::size() == 16) ? 4 : (M <= 3 ? 4 : 2);
   const int64_t b = block_width();
   const int64_t blocks = (out + b - 1) / b;
   // a grain of blocks worth ~64 KiB of weights: a small layer stays on one thread
@@ -97,10 +122,25 @@ void run_rows(const float* x, int64_t in, const float* packed, const float* bias
   at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const int64_t col = k * b;
-      block_rows<M, V>(x, in, packed + k * in * b, bias ? bias + col : nullptr, y + col, out,
-                       std::min(b, out - col));
+      block_rows<W, M, V>(x, in, packed + k * in * b, bias ? bias + col : nullptr, y + col, out,
+                          std::min(b, out - col));
     }
   });
+}
+
+template <typename W>
+void dispatch_rows(int64_t rows, const float* x, int64_t in, const W* w, const float* bias,
+                   float* y, int64_t out) {
+  switch (rows) {
+    case 1: run_rows<W, 1>(x, in, w, bias, y, out); break;
+    case 2: run_rows<W, 2>(x, in, w, bias, y, out); break;
+    case 3: run_rows<W, 3>(x, in, w, bias, y, out); break;
+    case 4: run_rows<W, 4>(x, in, w, bias, y, out); break;
+    case 5: run_rows<W, 5>(x, in, w, bias, y, out); break;
+    case 6: run_rows<W, 6>(x, in, w, bias, y, out); break;
+    case 7: run_rows<W, 7>(x, in, w, bias, y, out); break;
+    default: run_rows<W, 8>(x, in, w, bias, y, out); break;
+  }
 }
 
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -112,9 +152,10 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "few_rows_linear: rows=", rows,
               " is outside 1..", kMaxRows, " (larger batches take the GEMM)");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == in && packed.size(2) == b &&
-                  packed.scalar_type() == at::kFloat && packed.is_contiguous(),
+                  (packed.scalar_type() == at::kFloat ||
+                   packed.scalar_type() == at::kBFloat16) && packed.is_contiguous(),
               "few_rows_linear: packed must be few_rows_linear_pack's [blocks, ", in, ", ", b,
-              "] float32, got ", packed.sizes());
+              "] float32 or bfloat16, got ", packed.sizes(), " ", packed.scalar_type());
   TORCH_CHECK(out_features >= 1 && out_features <= packed.size(0) * b &&
                   out_features > (packed.size(0) - 1) * b,
               "few_rows_linear: out_features=", out_features, " does not match the packing (",
@@ -130,17 +171,11 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& packed,
   }
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (rows) {
-    case 1: run_rows<1>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 2: run_rows<2>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 3: run_rows<3>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 4: run_rows<4>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 5: run_rows<5>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 6: run_rows<6>(xp, in, wp, bias_ptr, yp, out_features); break;
-    case 7: run_rows<7>(xp, in, wp, bias_ptr, yp, out_features); break;
-    default: run_rows<8>(xp, in, wp, bias_ptr, yp, out_features); break;
+  if (packed.scalar_type() == at::kBFloat16) {
+    dispatch_rows(rows, xp, in, packed.data_ptr<at::BFloat16>(), bias_ptr, yp, out_features);
+  } else {
+    dispatch_rows(rows, xp, in, packed.data_ptr<float>(), bias_ptr, yp, out_features);
   }
   return y;
 }

@@ -26,12 +26,14 @@ def route(monkeypatch, cpu_kernels):
 
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 37), (384, 768), (17, 5)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_float64_reference(cpu_kernels, out_features: int, in_features: int,
-                                          bias: bool) -> None:
+                                          bias: bool, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(out_features + in_features)
-    w = torch.randn(out_features, in_features, generator=gen, dtype=torch.float64)
+    w = torch.randn(out_features, in_features, generator=gen).to(weight_dtype).double()
     b = torch.randn(out_features, generator=gen, dtype=torch.float64) if bias else None
-    packed = cpu_kernels.few_rows_linear_pack(w.float())
+    packed = cpu_kernels.few_rows_linear_pack(w.to(weight_dtype))
+    assert packed.dtype == weight_dtype
     block = cpu_kernels.few_rows_linear_block()
     assert packed.shape == (-(-out_features // block), in_features, block)
     for rows in range(1, 9):
@@ -61,7 +63,9 @@ def test_a_few_rows_layer_takes_the_kernel_at_up_to_8_rows(route, dtype, tol) ->
     layer = _layer(True, dtype)
     weight, bias = layer.weight.data.double().clone(), layer.bias.data.double().clone()
     ops.linear_prepare(layer)
-    assert layer.few_rows_weight.dtype == torch.float32
+    # bf16 values (a bf16 layer's) are packed as bf16: lossless; random float32 ones are not
+    assert layer.few_rows_weight.dtype == (torch.bfloat16 if dtype == torch.bfloat16
+                                           else torch.float32)
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 5, 8, 9, 64):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
@@ -75,6 +79,20 @@ def test_a_few_rows_layer_takes_the_kernel_at_up_to_8_rows(route, dtype, tol) ->
     assert not ops.linear(x[:8], layer).any()
     assert ops.linear(x, layer).abs().sum() > 0
     assert ops.linear(x[None, :3], layer).shape == (1, 3, 80)  # leading dims kept
+
+
+def test_a_float32_layer_of_bf16_values_streams_half_the_bytes(route) -> None:
+    """A bf16 checkpoint loaded into a float32 model: its copy is bf16 and computes the same
+    values as the float32 copy would (every weight exact, float32 products and sums)."""
+    route("on")
+    layer = _layer(True, torch.float32)
+    layer.weight.data.copy_(layer.weight.data.bfloat16().float())
+    wide = torch.ops.pagedllm_cpu.few_rows_linear_pack(layer.weight.data.clone())
+    ops.linear_prepare(layer)
+    assert layer.few_rows_weight.dtype == torch.bfloat16
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2))
+    want = torch.ops.pagedllm_cpu.few_rows_linear(x, wide, layer.few_rows_bias, 80)
+    assert torch.equal(ops.linear(x, layer), want)
 
 
 def test_only_few_rows_models_get_the_copy(route) -> None:
@@ -96,8 +114,8 @@ def test_bad_input_is_refused_by_name(cpu_kernels) -> None:
         cpu_kernels.few_rows_linear(torch.randn(2, 16).double(), packed, None, 64)
     with pytest.raises(RuntimeError, match="out_features=65 does not match the packing"):
         cpu_kernels.few_rows_linear(torch.randn(2, 16), packed, None, 65)
-    with pytest.raises(RuntimeError, match="weight must be float32"):
-        cpu_kernels.few_rows_linear_pack(torch.randn(64, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="weight must be float32 or bfloat16"):
+        cpu_kernels.few_rows_linear_pack(torch.randn(64, 16).half())
 
 
 def test_a_proposer_runs_its_linears_on_the_route(route, llama_path: str) -> None:

@@ -98,3 +98,49 @@ def test_context_attention_rejects_bad_shapes() -> None:
         context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
                               case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
                               case["seq_lens"] + 1, case["context_lens"], 1.0, validate=True)
+
+
+@pytest.mark.parametrize("num_splits,max_context_len", [(2, 300), (3, 300), (7, 300),
+                                                        (4, 64)])  # 64: under-reported
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_context_matches_reference(num_splits: int, max_context_len: int,
+                                         dtype: torch.dtype) -> None:
+    """The cached context cut into ranges whose partials are merged (issue 45: a short query over
+    a long prefix): no context, a short one whose later ranges are empty, a long one; a
+    max_context_len below the real one still reads every key (the last range runs to the end)."""
+    context_lens, query_lens = [0, 21, 300], [3, 5, 17]
+    case = _make_case(context_lens, query_lens, 4, 2, 64, 16, dtype, seed=num_splits)
+    scale = 64 ** -0.5
+    out = torch.full_like(case["q"], float("nan"))
+    context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
+                          case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
+                          case["seq_lens"], case["context_lens"], scale, validate=True,
+                          max_context_len=max_context_len, num_splits=num_splits)
+    ref = prefill_ref(case["q"], case["k"], case["v"], case["kv_cache_k"], case["kv_cache_v"],
+                      case["block_tables"], case["query_start_loc"].cpu(),
+                      case["context_lens"].cpu(), scale)
+    assert not torch.isnan(out).any(), "some output elements were not written"
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_split_count_fills_the_gpu_only_for_small_grids() -> None:
+    from pagedllm.backends.cuda.triton_prefill import MAX_SPLITS, choose_num_splits
+
+    assert choose_num_splits(32, 4096, 132) == 8  # one sequence, 32 heads, a short question
+    assert choose_num_splits(32, 300, 132) == 1  # short context: nothing to split
+    assert choose_num_splits(512, 4096, 132) == 1  # the grid already fills the GPU
+    assert choose_num_splits(1, 1 << 20, 132) == MAX_SPLITS
+    assert choose_num_splits(8, 1024, 132) == 4  # each range keeps MIN_SPLIT_TOKENS
+    assert choose_num_splits(32, 4096, 0) == 1  # the interpreter: no GPU, no split
+
+
+def test_split_arguments_are_checked() -> None:
+    case = _make_case([40], [4], 4, 2, 64, 16, torch.float32, seed=0)
+    out = torch.empty_like(case["q"])
+    args = (case["q"], case["k"], case["v"], out, case["kv_cache_k"], case["kv_cache_v"],
+            case["block_tables"], case["query_start_loc"], case["seq_lens"],
+            case["context_lens"], 1.0)
+    with pytest.raises(ValueError, match="num_splits=17 must be in 1..16"):
+        context_attention_fwd(*args, max_context_len=40, num_splits=17)
+    with pytest.raises(ValueError, match="num_splits > 1 needs max_context_len"):
+        context_attention_fwd(*args, num_splits=2)

@@ -9,8 +9,9 @@ and streams weights from memory at ~12-18 GB/s (2026-12-07, benchmarks/RESULTS.m
 kernel runs those layers 2-3.5x faster. It cannot replace the packed GEMM (its layout is 1.2-2x
 slower at prefill sizes through a batched matmul), so a model on this route holds its float
 linears twice: a few MB for a proposer, but as much again as the weights for a target, which is
-why targets never take it. The copy is float32 (a bf16/fp16 weight's values are exact in it);
-inputs are upcast and outputs rounded back to the input's dtype.
+why targets never take it. The copy is bfloat16 where every weight is a bf16 value (a bf16
+checkpoint run in float32 or bf16: half the bytes, nothing rounded), else float32; inputs are
+upcast to float32 and outputs rounded back to the input's dtype.
 
 Whether the route runs is decided once per process: the kernel must load (the cpu kernels'
 ``pagedllm_cpu_few_rows`` library) and, timed on a proposer-sized linear at one and five rows,
@@ -80,10 +81,18 @@ def few_rows_prepare(layer: Any) -> None:
             or not weight.is_floating_point() or not few_rows_route()):
         return
     kernels = _kernels()
-    layer.few_rows_weight = kernels.few_rows_linear_pack(weight.to(torch.float32).contiguous())
+    layer.few_rows_weight = kernels.few_rows_linear_pack(_lossless_narrow(weight))
     bias = getattr(layer, "bias", None)
     layer.few_rows_bias = bias.data.to(torch.float32) if bias is not None else None
     layer.few_rows_out = int(weight.shape[0])
+
+
+def _lossless_narrow(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as bfloat16 where every value is one (a bf16 checkpoint's weights in a float32
+    model: half the bytes the kernel streams, the same products), else as float32."""
+    wide = weight.to(torch.float32).contiguous()
+    narrow = wide.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(torch.float32), wide) else wide
 
 
 def few_rows_linear(x: torch.Tensor, layer: Any) -> torch.Tensor | None:

@@ -58,4 +58,5 @@ class CudaPagedAttention(AttentionImpl):
             query, key, value, out, kv_cache[0], kv_cache[1], metadata.prefill_block_tables,
             metadata.query_start_loc, metadata.prefill_seq_lens, metadata.prefill_context_lens,
             self.scale, max_query_len=metadata.max_prefill_query_len,
+            max_context_len=max(metadata.prefill_context_lens_list, default=0),
             sliding_window=self.sliding_window, soft_cap=self.logits_soft_cap)

@@ -15,6 +15,16 @@ of one head; GQA maps head h to kv head h // (num_heads // num_kv_heads). Head s
 power of two are padded to one inside the kernel with masks. Softmax is the online (flash) form in
 float32; float32 inputs use IEEE float32 dot products (no TF32).
 
+Split context (``num_splits`` > 1): a short query over a long cached context runs few programs
+(one sequence, 32 heads, one query block: 32 programs on a 132-SM H100, each walking 4k keys;
+issue 45's question over a host-tier prefix spent 0.23 ms a layer there). The cached context is
+then cut into ``num_splits`` ranges, a program per (query block, range) writes its unnormalized
+partial (running max, sum, output) to a float32 scratch, the last range's program also the new
+tokens, and ``_combine_splits_kernel`` merges the partials as the online softmax would have.
+``context_attention_fwd`` splits by itself when the grid is under twice the GPU's SMs and the
+longest context holds ``MIN_SPLIT_TOKENS`` per range (``max_context_len`` given); never under
+the interpreter unless asked.
+
 Optional features (constexpr switches, so plain layers compile without them): a sliding window (the
 query at absolute position p sees keys at positions > p - window; key tiles wholly before every
 row's window are skipped) and a logit soft cap (scaled scores s -> cap * tanh(s / cap)).
@@ -51,8 +61,8 @@ def _online_softmax_step(q, k, v, qk_mask, m_i, l_i, acc, scale, soft_cap,
 
 @triton.jit
 def _context_attention_kernel(
-    Q, K, V, Out, KCache, VCache, BlockTables, QueryStartLoc, ContextLens,
-    scale, window, soft_cap,
+    Q, K, V, Out, KCache, VCache, BlockTables, QueryStartLoc, ContextLens, TmpAcc, TmpML,
+    scale, window, soft_cap, split_len,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -60,6 +70,7 @@ def _context_attention_kernel(
     stride_kcb, stride_kct, stride_kch,
     stride_vcb, stride_vct, stride_vch,
     stride_bt,
+    stride_tmp_t,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -70,10 +81,12 @@ def _context_attention_kernel(
     UPCAST: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    m_block = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     kv_head = head // QUERIES_PER_KV
 
     q_start = tl.load(QueryStartLoc + seq)
@@ -99,10 +112,18 @@ def _context_attention_kernel(
     # 1) Cached context: positions [0, ctx_len), gathered through the block table; no causal mask.
     # With a window, the first row (position ctx_len + m_block * BLOCK_M) sees nothing before
     # position ctx_len + m_block * BLOCK_M - window + 1: earlier tiles are skipped.
+    # With splits, this program reads the range [split * split_len, + split_len) of it (the last
+    # range: to the end, so a short max_context_len costs balance, never keys).
     ctx_from = 0
+    ctx_to = ctx_len
+    if NUM_SPLITS > 1:
+        ctx_from = tl.minimum(split * split_len, ctx_len)
+        ctx_to = tl.where(split == NUM_SPLITS - 1, ctx_len,
+                          tl.minimum(ctx_len, ctx_from + split_len))
     if USE_WINDOW:
-        ctx_from = tl.maximum(ctx_len + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start_n in range(ctx_from, ctx_len, BLOCK_N):
+        ctx_from = tl.maximum(ctx_from, tl.maximum(ctx_len + m_block * BLOCK_M - window + 1, 0)
+                              // BLOCK_N * BLOCK_N)
+    for start_n in range(ctx_from, ctx_to, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx_len
         visible = mask_n[None, :]
@@ -122,8 +143,11 @@ def _context_attention_kernel(
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale, soft_cap,
                                              DOT_PRECISION, USE_SOFT_CAP)
 
-    # 2) New tokens: keys 0..q_len-1 of this sequence from k/v, causal (key j <= query row i).
+    # 2) New tokens: keys 0..q_len-1 of this sequence from k/v, causal (key j <= query row i);
+    # with splits, in the last range's program only.
     end_n = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+    if NUM_SPLITS > 1:
+        end_n = tl.where(split == NUM_SPLITS - 1, end_n, 0)
     new_from = 0
     if USE_WINDOW:
         new_from = tl.maximum(m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -143,9 +167,53 @@ def _context_attention_kernel(
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale, soft_cap,
                                              DOT_PRECISION, USE_SOFT_CAP)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    else:  # the partial: TmpAcc [tokens, heads, splits, HEAD_PAD], TmpML [tokens, heads, splits, 2]
+        row = (q_start + offs_m).to(tl.int64) * stride_tmp_t + (head * NUM_SPLITS + split)
+        tl.store(TmpAcc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=mask_m[:, None])
+        tl.store(TmpML + row * 2, m_i, mask=mask_m)
+        tl.store(TmpML + row * 2 + 1, l_i, mask=mask_m)
+
+
+@triton.jit
+def _combine_splits_kernel(TmpAcc, TmpML, Out, stride_ot, stride_oh, stride_tmp_t,
+                           HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Out[token, head] from the splits' partials: each weighed by exp(its max - the max)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    mask_s = offs_s < NUM_SPLITS
+    row = token.to(tl.int64) * stride_tmp_t + head * NUM_SPLITS + offs_s
+    m = tl.load(TmpML + row * 2, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(TmpML + row * 2 + 1, mask=mask_s, other=0.0)
+    acc = tl.load(TmpAcc + row[:, None] * HEAD_PAD + offs_d[None, :], mask=mask_s[:, None],
+                  other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    total = tl.sum(w * l_s, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + token * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_SIZE)
+
+
+MIN_SPLIT_TOKENS = 256  # cached tokens a split range holds at least
+MAX_SPLITS = 16
+
+
+def choose_num_splits(programs: int, max_context_len: int, multiprocessors: int) -> int:
+    """Context ranges for a grid of ``programs`` (sequences x heads x query blocks): 1 where it
+    fills twice the GPU's ``multiprocessors`` or the longest context is short, else enough to
+    fill them, each range at least MIN_SPLIT_TOKENS, at most MAX_SPLITS."""
+    target = 2 * multiprocessors
+    if programs >= target or max_context_len < 2 * MIN_SPLIT_TOKENS:
+        return 1
+    return max(1, min(MAX_SPLITS, target // max(1, programs),
+                      max_context_len // MIN_SPLIT_TOKENS))
 
 
 def _block_sizes(head_pad: int, elem_bytes: int, interpret: bool) -> tuple[int, int]:
@@ -175,6 +243,8 @@ def context_attention_fwd(
     validate: bool = False,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention of packed new tokens over their cached context plus themselves (causal).
 
@@ -186,6 +256,8 @@ def context_attention_fwd(
     max_query_len: longest new-token run (computed from query_start_loc if None, a sync).
     sliding_window: a query at position p sees keys at positions > p - window; soft_cap: scaled
     scores s become cap * tanh(s / cap) (None: off, both).
+    max_context_len: the longest cached context (host value): lets a small grid split it
+    (``choose_num_splits``); num_splits: force a split count (tests; 1: never split).
     Returns out.
     """
     import os
@@ -230,10 +302,27 @@ def context_attention_fwd(
     # Triton's interpreter computes bfloat16 tl.dot wrongly (3.x): there, dot in float32 instead.
     upcast = interpret and q.dtype == torch.bfloat16
     precise = q.dtype == torch.float32 or upcast
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    q_blocks = triton.cdiv(max_query_len, block_m)
+    if num_splits is None:
+        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda and not interpret else 0)
+        num_splits = choose_num_splits(num_seqs * num_heads * q_blocks, max_context_len or 0, sms)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be in 1..{MAX_SPLITS}")
+    split_len = triton.cdiv(triton.cdiv(max(max_context_len or 1, 1), num_splits), block_n) * block_n
+    if num_splits > 1 and max_context_len is None:
+        raise ValueError("num_splits > 1 needs max_context_len (the longest cached context)")
+    tmp_acc = tmp_ml = out  # unused without splits
+    if num_splits > 1:
+        tmp_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
+                              device=q.device)
+        tmp_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32,
+                             device=q.device)
+    grid = (num_seqs, num_heads, q_blocks * num_splits)
     _context_attention_kernel[grid](
         q, k, v, out, kv_cache_k, kv_cache_v, block_tables, query_start_loc, context_lens,
-        float(scale), int(sliding_window or 0), float(soft_cap or 1.0),
+        tmp_acc, tmp_ml,
+        float(scale), int(sliding_window or 0), float(soft_cap or 1.0), int(split_len),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -241,6 +330,7 @@ def context_attention_fwd(
         kv_cache_k.stride(0), kv_cache_k.stride(1), kv_cache_k.stride(2),
         kv_cache_v.stride(0), kv_cache_v.stride(1), kv_cache_v.stride(2),
         block_tables.stride(0),
+        num_heads * num_splits,
         QUERIES_PER_KV=num_heads // num_kv_heads,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
@@ -251,6 +341,13 @@ def context_attention_fwd(
         UPCAST=upcast,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=soft_cap is not None,
+        NUM_SPLITS=num_splits,
         num_warps=4,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            tmp_acc, tmp_ml, out, out.stride(0), out.stride(1), num_heads * num_splits,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        )
     return out
