@@ -172,6 +172,9 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     timeout 90 python -m pytest -q -p no:cacheprovider -p pagedllm.testing.plugin \
       --pyargs pagedllm.testing.test_kv_transfer --device cuda 2>&1 | tee "$OUT/kv_transfer.log" \
       | tail -3
+    # the prefill kernel with its context split (a short question over a long prefix), compiled
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_prefill.py \
+      2>&1 | tee "$OUT/triton_prefill.log" | tail -2
     model
     timeout 480 python benchmarks/kv_offload.py --device cuda --model "$MODEL" --docs 64 \
       --doc-tokens 4096 --device-docs 8 --disagg-requests 0 --config recompute --config host \
