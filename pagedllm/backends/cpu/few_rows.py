@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pagedllm import envs
+from pagedllm.backends.cpu.route_timing import median_times
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ def few_rows_route() -> bool:
         return False
     if choice == "on":
         return True
-    from pagedllm.backends.cpu.ops import _median_times
-
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 768, generator=gen)
     packed = kernels.few_rows_linear_pack(w)
@@ -63,7 +62,7 @@ def few_rows_route() -> bool:
         runs[f"kernel{rows}"] = (lambda x=x: kernels.few_rows_linear(x, packed, None, 1024))
         runs[f"gemm{rows}"] = (lambda x=x: torch.ops.mkldnn._linear_pointwise(
             x, onednn, None, "none", [], ""))
-    times = _median_times(runs, rounds=15)
+    times = median_times(runs, rounds=15)
     on = all(times[f"kernel{r}"] < times[f"gemm{r}"] for r in (1, 5))
     logger.info("proposers' few-row linears %s (a 1024x768 linear at 1 / 5 rows: kernel %.1f / "
                 "%.1f us, oneDNN %.1f / %.1f us; %s=on|off forces it)",

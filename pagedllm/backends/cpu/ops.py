@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -48,6 +47,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.backends.cpu.few_rows import few_rows_linear, few_rows_prepare
+from pagedllm.backends.cpu.route_timing import median_times
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def fp32_linear_route() -> str:
     w, x = _probe_operands(torch.float32)
     mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_PACK_BATCH_HINT)
     onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-    times = _median_times({
+    times = median_times({
         "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, x.shape[0]),
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
     })
@@ -104,19 +104,6 @@ def _probe_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return (torch.randn(2048, 1024, generator=gen).to(dtype),
             torch.randn(64, 1024, generator=gen).to(dtype))
-
-
-def _median_times(runs: dict[str, Callable[[], Any]], rounds: int = 7) -> dict[str, float]:
-    """Median seconds of each run, the runs timed in alternation after two warm-up rounds (which
-    create oneDNN's primitives)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(rounds + 2):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            if i >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,7 +144,7 @@ def half_compute_dtype(dtype: torch.dtype) -> torch.dtype:
         return lambda: torch.ops.mkldnn._linear_pointwise(x.to(compute), packed[compute], None,
                                                           "none", [], "").to(dtype)
 
-    times = _median_times({"native": run(dtype), "float32": run(torch.float32)})
+    times = median_times({"native": run(dtype), "float32": run(torch.float32)})
     compute = dtype if times["native"] <= times["float32"] else torch.float32
     logger.info("%s linears compute in %s (a 64-row GEMM: native %.3f ms, float32 %.3f ms; %s "
                 "forces one)", dtype, compute, times["native"] * 1e3, times["float32"] * 1e3,
