@@ -12,6 +12,7 @@ draft-token KV past the accepted run is overwritten by the next step's mirror pa
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.contract.attention import AttentionMetadata
 from pagedllm.core.batch import ScheduledSeq
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.eagle import AuxHiddenStates
+from pagedllm.worker.host_copy import to_device
 from pagedllm.worker.model_runner import build_metadata
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,36 @@ def _sched(seq_id: int, tokens: list[int], start: int, table: list[int],
 def _drafts(s: MirrorSeq) -> bool:
     """Whether the proposer drafts after ``s``'s sampled token this step."""
     return s.num_drafts > 0 and s.new_token is not None
+
+
+class _DraftPasses:
+    """The inputs of one propose call's draft passes: one token per drafting sequence, at
+    positions that move on by one each pass. The first pass's come from build_metadata; later
+    passes change only the slots and lengths (the sequences, their order and block tables, which
+    cover the lookahead, stay), so they do not rebuild the rest."""
+
+    def __init__(self, seqs: list[MirrorSeq], block_size: int, device: torch.device) -> None:
+        self.seqs = seqs
+        self.block_size = block_size
+        self.device = device
+        self._meta: AttentionMetadata | None = None
+
+    def inputs(self, positions: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(positions [n] int64, metadata) of a pass at ``positions`` (one per sequence)."""
+        bs = self.block_size
+        if self._meta is None:
+            sched = [_sched(s.seq_id, [0], p, s.block_table, 1)
+                     for s, p in zip(self.seqs, positions)]
+            _, _, meta = build_metadata(sched, bs, self.device)
+        else:
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(self.seqs, positions)]
+            lens = [p + 1 for p in positions]
+            meta = dataclasses.replace(
+                self._meta, slot_mapping=to_device(slots, self.device, torch.int64),
+                decode_seq_lens=to_device(lens, self.device, torch.int32),
+                max_decode_seq_len=max(lens), decode_seq_lens_list=lens, extras={})
+        self._meta = meta
+        return to_device(positions, self.device, torch.int64), meta
 
 
 def _layout(seqs: list[ScheduledSeq]) -> list[int]:
@@ -105,8 +138,8 @@ class DeviceProposer(ABC):
     # --- shared driving loop ---------------------------------------------------------------
     def _run(self, seqs: list[MirrorSeq], first: Any, step: Any) -> dict[int, list[int]]:
         """``first(inputs) -> (greedy tokens of the drafting rows, state)`` runs the mirror
-        pass; ``step(tokens, positions, state) -> (tokens, state)`` one draft position for each
-        drafting sequence. Greedy drafts (q = one-hot)."""
+        pass; ``step(tokens, positions, state, passes) -> (tokens, state)`` one draft position
+        for each drafting sequence (``passes``: their inputs). Greedy drafts (q = one-hot)."""
         drafting = [s for s in seqs if _drafts(s)]
         if not seqs:
             return {}
@@ -117,8 +150,9 @@ class DeviceProposer(ABC):
         drafts = [tokens]
         want = max(s.num_drafts for s in drafting)
         pos = [s.start_pos + len(s.tokens) for s in drafting]  # the new token's position
+        passes = _DraftPasses(drafting, self.block_size, self.device)
         for i in range(1, want):
-            tokens, state = step(tokens, [p + i for p in pos], state, drafting)
+            tokens, state = step(tokens, [p + i for p in pos], state, passes)
             self.num_forwards += 1
             drafts.append(tokens)
         table = torch.stack(drafts, dim=1).tolist()  # [len(drafting), want]
@@ -183,12 +217,10 @@ class DraftModelProposer(DeviceProposer):
         return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def _step(self, tokens: torch.Tensor, positions: list[int], state: Any,
-              drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
-        host = tokens.tolist()
-        batch = [_sched(s.seq_id, [t], p, s.block_table, 1)
-                 for s, t, p in zip(drafting, host, positions)]
-        hidden, last = self._forward(batch)
-        return self._greedy(hidden[torch.tensor(last, device=self.device)]), None
+              passes: _DraftPasses) -> tuple[torch.Tensor, Any]:
+        pos, meta = passes.inputs(positions)
+        hidden = self.model(tokens, pos, self.kv_caches, meta)  # one row per sequence, in order
+        return self._greedy(hidden), None
 
 
 class EagleProposer(DeviceProposer):
@@ -298,12 +330,10 @@ class EagleProposer(DeviceProposer):
             self._held.pop(seq_id, None)
 
     def _step(self, tokens: torch.Tensor, positions: list[int], state: torch.Tensor,
-              drafting: list[MirrorSeq]) -> tuple[torch.Tensor, Any]:
+              passes: _DraftPasses) -> tuple[torch.Tensor, Any]:
         """One draft position: (draft token, the head's own previous output) at each drafting
-        sequence's next position (one before the drafted token's)."""
-        host = tokens.tolist()
-        batch = [_sched(s.seq_id, [t], p - 1, s.block_table, 1)
-                 for s, t, p in zip(drafting, host, positions)]
-        out, feed, last = self._forward(batch, list(state.split(1)))
-        idx = torch.tensor(last, device=self.device)
-        return self._greedy(out[idx]), feed[idx]
+        sequence's next position (one before the drafted token's); one row per sequence, in
+        the drafting order."""
+        pos, meta = passes.inputs([p - 1 for p in positions])
+        out, feed = self.head(tokens, pos, state, self.target.embed_tokens, self.kv_caches, meta)
+        return self._greedy(out), feed
