@@ -66,6 +66,13 @@ def _drafts(s: MirrorSeq) -> bool:
     return s.num_drafts > 0 and s.new_token is not None
 
 
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]``: a view where the rows are consecutive (a sequence's rows of one step)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return x[rows[0]:rows[-1] + 1]
+    return x[torch.tensor(rows, device=x.device, dtype=torch.int64)]
+
+
 class _DraftPasses:
     """The inputs of one propose call's draft passes: one token per drafting sequence, at
     positions that move on by one each pass. The first pass's come from build_metadata; later
@@ -301,8 +308,7 @@ class EagleProposer(DeviceProposer):
             following = s.tokens[1:] + ([s.new_token] if s.new_token is not None else
                                         [s.next_token] if s.next_token is not None else [])
             start = s.start_pos
-            feats = features[torch.tensor(s.target_rows[:len(following)], device=self.device,
-                                          dtype=torch.int64)]
+            feats = _rows(features, s.target_rows[:len(following)])
             held = self._held.pop(s.seq_id, None)
             if held is not None and held[0] == s.start_pos - 1:  # the previous chunk's last
                 following = [s.tokens[0]] + following
