@@ -3,9 +3,9 @@ proposers: every linear of the shipped EAGLE-3 head and draft model of the demo 
 5 rows (a draft pass at batch 1; the mirror pass after a verification of k = 4), oneDNN's packed
 weights (the route the cpu backend picked for float32 here) vs the kernel with a float32 and a
 bf16 copy. Each layer is timed hot (its weights in cache: the draft passes after the first) and
-all of a model's layers in turn, cycling over copies of them that overflow the caches (its first
-pass of a step, after the target's forward evicted them); bytes over time next to the machine's measured read
-bandwidth (a torch sum over 256 MB).
+all of a model's layers in turn, cycling over copies of them that overflow the caches (its
+first pass of a step, after the target's forward evicted them); bytes over time next to the
+machine's measured read bandwidth (a torch sum over 256 MB).
 
     python benchmarks/few_rows_linear.py [--rounds 7]
 """
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in copies[1:]:
             for j, (n, o, i, dnn, _, _) in enumerate(c):
                 w = torch.randn(o, i).bfloat16().float()
-                c[j] = (n, o, i, dnn, k.few_rows_linear_pack(w), k.few_rows_linear_pack(w.bfloat16()))
+                c[j] = (n, o, i, dnn, k.few_rows_linear_pack(w),
+                        k.few_rows_linear_pack(w.bfloat16()))
         for rows in (1, 5):
             routes = {
                 "oneDNN": lambda x, L: torch.ops.mkldnn._linear_pointwise(x, L[3], None, "none",

@@ -309,7 +309,8 @@ def context_attention_fwd(
         num_splits = choose_num_splits(num_seqs * num_heads * q_blocks, max_context_len or 0, sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in 1..{MAX_SPLITS}")
-    split_len = triton.cdiv(triton.cdiv(max(max_context_len or 1, 1), num_splits), block_n) * block_n
+    per_split = triton.cdiv(max(max_context_len or 1, 1), num_splits)
+    split_len = triton.cdiv(per_split, block_n) * block_n  # whole key tiles
     if num_splits > 1 and max_context_len is None:
         raise ValueError("num_splits > 1 needs max_context_len (the longest cached context)")
     tmp_acc = tmp_ml = out  # unused without splits
