@@ -48,7 +48,9 @@ class OpTable(Protocol):
         """x [T, in] @ layer.weight [out, in]^T (+ layer.bias)."""
 
     def linear_prepare(self, layer: torch.nn.Module) -> None:
-        """Once per linear layer after its weights are loaded (e.g. to pre-pack them)."""
+        """Once per linear layer after its weights are loaded (e.g. to pre-pack them).
+        ``layer.ctx.few_rows`` marks a model that runs a handful of rows per call (a
+        speculative proposer): a backend may lay out a copy for that (cpu: few_rows.py)."""
 
     def greedy_logprobs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [rows, vocab] -> (argmax [rows] int64, its logprob [rows] float32)."""
