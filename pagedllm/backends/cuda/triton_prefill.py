@@ -21,9 +21,12 @@ issue 45's question over a host-tier prefix spent 0.23 ms a layer there). The ca
 then cut into ``num_splits`` ranges, a program per (query block, range) writes its unnormalized
 partial (running max, sum, output) to a float32 scratch, the last range's program also the new
 tokens, and ``_combine_splits_kernel`` merges the partials as the online softmax would have.
-``context_attention_fwd`` splits by itself when the grid is under twice the GPU's SMs and the
-longest context holds ``MIN_SPLIT_TOKENS`` per range (``max_context_len`` given); never under
-the interpreter unless asked.
+With ``PAGEDLLM_CUDA_PREFILL_SPLIT=1``, ``context_attention_fwd`` splits by itself when the
+grid is under twice the GPU's SMs and the longest context holds ``MIN_SPLIT_TOKENS`` per range
+(``max_context_len`` given); never under the interpreter unless asked. Off by default until a
+GPU measures it: the 19:33 H100 profile had that prefill waiting ~0.3 ms a layer on the host's
+launches, where a shorter kernel saves nothing and the combine launch and scratch cost host
+time.
 
 Optional features (constexpr switches, so plain layers compile without them): a sliding window (the
 query at absolute position p sees keys at positions > p - window; key tiles wholly before every
@@ -304,8 +307,10 @@ def context_attention_fwd(
     precise = q.dtype == torch.float32 or upcast
     q_blocks = triton.cdiv(max_query_len, block_m)
     if num_splits is None:
+        from pagedllm import envs
+
         sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda and not interpret else 0)
+               if q.is_cuda and not interpret and envs.PAGEDLLM_CUDA_PREFILL_SPLIT else 0)
         num_splits = choose_num_splits(num_seqs * num_heads * q_blocks, max_context_len or 0, sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in 1..{MAX_SPLITS}")
