@@ -26,7 +26,7 @@ from pagedllm.core.batch import ScheduledSeq
 from pagedllm.models.layers.linear import LayerContext
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.eagle import AuxHiddenStates
-from pagedllm.worker.host_copy import to_device
+from pagedllm.worker.host_copy import select_rows, to_device
 from pagedllm.worker.model_runner import build_metadata
 
 logger = logging.getLogger(__name__)
@@ -64,13 +64,6 @@ def _sched(seq_id: int, tokens: list[int], start: int, table: list[int],
 def _drafts(s: MirrorSeq) -> bool:
     """Whether the proposer drafts after ``s``'s sampled token this step."""
     return s.num_drafts > 0 and s.new_token is not None
-
-
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``x[rows]``: a view where the rows are consecutive (a sequence's rows of one step)."""
-    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
-        return x[rows[0]:rows[-1] + 1]
-    return x[torch.tensor(rows, device=x.device, dtype=torch.int64)]
 
 
 class _DraftPasses:
@@ -308,7 +301,7 @@ class EagleProposer(DeviceProposer):
             following = s.tokens[1:] + ([s.new_token] if s.new_token is not None else
                                         [s.next_token] if s.next_token is not None else [])
             start = s.start_pos
-            feats = _rows(features, s.target_rows[:len(following)])
+            feats = select_rows(features, s.target_rows[:len(following)])
             held = self._held.pop(s.seq_id, None)
             if held is not None and held[0] == s.start_pos - 1:  # the previous chunk's last
                 following = [s.tokens[0]] + following

@@ -12,7 +12,7 @@ from pagedllm.core.batch import ScheduledBatch, ScheduledSeq, SeqOutput
 from pagedllm.spec_decode.graphs import SpecStepGraphs
 from pagedllm.spec_decode.proposer import DeviceProposer, MirrorSeq
 from pagedllm.spec_decode.sampler import VerifyRow, VerifySampler
-from pagedllm.worker.host_copy import to_device
+from pagedllm.worker.host_copy import select_rows
 from pagedllm.worker.model_runner import ModelRunner, prompt_logprobs
 from pagedllm.worker.sampler import SampleRow
 
@@ -21,14 +21,6 @@ def _sample_row(s: ScheduledSeq) -> SampleRow:
     """The plain decode row of ``s`` (for a verification chunk: before its drafts)."""
     return SampleRow(s.sampling_params, s.num_samples, s.seq_index,
                      s.seq_len - s.num_spec_tokens - s.prompt_len, s.history, s.prompt_len)
-
-
-def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``; a view when the rows are the leading ones in order (a decode-only or
-    verification-only step: no index copied to the device, no gather)."""
-    if rows == list(range(len(rows))):
-        return logits[:len(rows)]
-    return logits[to_device(rows, logits.device, torch.int64)]
 
 
 class SpecRunner:
@@ -84,13 +76,13 @@ class SpecRunner:
                 mask = batch.token_bitmask
                 mask = mask.result() if hasattr(mask, "result") else mask
                 bitmask = mask[[i for i, _, _ in plain]].to(device, non_blocking=True)
-            got = runner.sampler(_rows_of(logits, [r for _, r, _ in plain]),
+            got = runner.sampler(select_rows(logits, [r for _, r, _ in plain]),
                                  [row for _, _, row in plain], bitmask)
             for (i, _, _), samples in zip(plain, got):
                 outputs[i].samples = samples
         if verify:
             sel = [r0 + j for _, r0, v in verify for j in range(len(v.drafts) + 1)]
-            got = self.verify(_rows_of(logits, sel), [v for _, _, v in verify])
+            got = self.verify(select_rows(logits, sel), [v for _, _, v in verify])
             for (i, _, _), samples in zip(verify, got):
                 outputs[i].samples = samples
         for i, r0, n, targets in prompt_rows:

@@ -27,3 +27,11 @@ def to_device(data: Sequence[Any], device: torch.device, dtype: torch.dtype | No
     if device.type == "cpu" or not can_pin():
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` for a host list of row indices: a view where they are consecutive and in
+    order (no index copied to the device, no gather), else a gather by an index copied as above."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0]:rows[0] + len(rows)]
+    return x[to_device(rows, x.device, torch.int64)]
