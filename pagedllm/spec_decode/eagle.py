@@ -273,7 +273,6 @@ class Eagle3Head(_HeadBase):
         self.norm = RMSNorm(h, eps, ctx)
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None)
                                     or config.vocab_size)
-        self.vocab_size = int(config.vocab_size)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, ctx)
         self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64,
                                             device=ctx.device), requires_grad=False)
@@ -309,21 +308,10 @@ class Eagle3Head(_HeadBase):
         normed, prenorm = self.norm(h, residual)
         return normed, prenorm
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, target vocab] float32: the draft vocabulary's logits placed at their target ids
-        (``d2t``), -inf elsewhere."""
-        logits = self.lm_head.compute_logits(hidden)
-        if not self.has_d2t and self.draft_vocab_size == self.vocab_size:
-            return logits
-        ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, ids] = logits
-        return full
-
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T] ``compute_logits(hidden).argmax(-1)`` without the target-vocabulary scatter: the
-        draft vocabulary's argmax, mapped to its target id (``d2t`` is increasing, so a tie
-        resolves to the same token)."""
+        """[T] greedy draft tokens as target ids: the draft vocabulary's argmax mapped by ``d2t``
+        (increasing, so a tie resolves to the lowest target id, as an argmax over the target
+        vocabulary would)."""
         ids = self.lm_head.compute_logits(hidden).argmax(dim=-1)
         if not self.has_d2t:
             return ids
