@@ -93,19 +93,24 @@ def test_triton_prefill_window_and_soft_cap(window: int | None, cap: float | Non
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     pytest.importorskip("triton")
+    # no context (plain prefill), context ending mid-block, a long prefix with a short chunk
+    _check_prefill([0, 21, 37], [19, 5, 17], dtype, (window or 0) + 1, window, cap)
+
+
+def _check_prefill(context_lens: list[int], query_lens: list[int], dtype: torch.dtype, seed: int,
+                   window: int | None, cap: float | None, **kwargs) -> None:
+    """The Triton prefill (keyword arguments passed on) equals masked_ref for each sequence."""
     from test_triton_prefill import DEVICE, _make_case
 
     from pagedllm.backends.cuda.triton_prefill import context_attention_fwd
 
-    # no context (plain prefill), context ending mid-block, a long prefix with a short chunk
-    context_lens, query_lens = [0, 21, 37], [19, 5, 17]
-    case = _make_case(context_lens, query_lens, 4, 2, 64, 16, dtype, seed=(window or 0) + 1)
+    case = _make_case(context_lens, query_lens, 4, 2, 64, 16, dtype, seed=seed)
     scale = 64 ** -0.5
     out = torch.full_like(case["q"], float("nan"))
     context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
                           case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
                           case["seq_lens"], case["context_lens"], scale, validate=True,
-                          sliding_window=window, soft_cap=cap)
+                          sliding_window=window, soft_cap=cap, **kwargs)
     starts = case["query_start_loc"].tolist()
     for i, ctx in enumerate(context_lens):
         s, e = starts[i], starts[i + 1]
@@ -126,26 +131,5 @@ def test_triton_prefill_split_context_with_window_and_soft_cap(window: int | Non
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     pytest.importorskip("triton")
-    from test_triton_prefill import DEVICE, _make_case
-
-    from pagedllm.backends.cuda.triton_prefill import context_attention_fwd
-
-    context_lens, query_lens = [0, 21, 300], [3, 5, 17]
-    case = _make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32, seed=7)
-    scale = 64 ** -0.5
-    out = torch.full_like(case["q"], float("nan"))
-    context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
-                          case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
-                          case["seq_lens"], case["context_lens"], scale, validate=True,
-                          sliding_window=window, soft_cap=cap, max_context_len=300, num_splits=4)
-    starts = case["query_start_loc"].tolist()
-    for i, ctx in enumerate(context_lens):
-        s, e = starts[i], starts[i + 1]
-        k = torch.cat([gather_context(case["kv_cache_k"], case["block_tables"][i], ctx),
-                       case["k"][s:e].cpu()])
-        v = torch.cat([gather_context(case["kv_cache_v"], case["block_tables"][i], ctx),
-                       case["v"][s:e].cpu()])
-        ref = masked_ref(case["q"][s:e].cpu(), k, v, ctx, scale, window, cap)
-        tol = TOL[torch.float32]
-        torch.testing.assert_close(out[s:e].cpu().double(), ref, rtol=tol, atol=tol,
-                                   msg=lambda m: f"seq {i} on {DEVICE}: {m}")
+    _check_prefill([0, 21, 300], [3, 5, 17], torch.float32, 7, window, cap, max_context_len=300,
+                   num_splits=4)

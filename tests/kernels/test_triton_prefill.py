@@ -75,16 +75,20 @@ def test_context_attention_matches_reference(dtype: torch.dtype, head_size: int,
     context_lens, query_lens = [0, 21, 37], [19, 5, 17]
     case = _make_case(context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size,
                       dtype, seed=head_size + num_heads)
-    scale = head_size**-0.5
+    _check_against_reference(case, head_size**-0.5, TOL[dtype])
+
+
+def _check_against_reference(case: dict, scale: float, tol: float, **kwargs) -> None:
+    """The kernel over ``case`` (keyword arguments passed on) equals prefill_ref everywhere."""
     out = torch.full_like(case["q"], float("nan"))
     context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
                           case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
-                          case["seq_lens"], case["context_lens"], scale, validate=True)
+                          case["seq_lens"], case["context_lens"], scale, validate=True, **kwargs)
     ref = prefill_ref(case["q"], case["k"], case["v"], case["kv_cache_k"], case["kv_cache_v"],
                       case["block_tables"], case["query_start_loc"].cpu(),
                       case["context_lens"].cpu(), scale)
     assert not torch.isnan(out).any(), "some output elements were not written"
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol)
 
 
 def test_context_attention_rejects_bad_shapes() -> None:
@@ -110,17 +114,8 @@ def test_split_context_matches_reference(num_splits: int, max_context_len: int,
     max_context_len below the real one still reads every key (the last range runs to the end)."""
     context_lens, query_lens = [0, 21, 300], [3, 5, 17]
     case = _make_case(context_lens, query_lens, 4, 2, 64, 16, dtype, seed=num_splits)
-    scale = 64 ** -0.5
-    out = torch.full_like(case["q"], float("nan"))
-    context_attention_fwd(case["q"], case["k"], case["v"], out, case["kv_cache_k"],
-                          case["kv_cache_v"], case["block_tables"], case["query_start_loc"],
-                          case["seq_lens"], case["context_lens"], scale, validate=True,
-                          max_context_len=max_context_len, num_splits=num_splits)
-    ref = prefill_ref(case["q"], case["k"], case["v"], case["kv_cache_k"], case["kv_cache_v"],
-                      case["block_tables"], case["query_start_loc"].cpu(),
-                      case["context_lens"].cpu(), scale)
-    assert not torch.isnan(out).any(), "some output elements were not written"
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+    _check_against_reference(case, 64 ** -0.5, TOL[dtype], max_context_len=max_context_len,
+                             num_splits=num_splits)
 
 
 def test_split_count_fills_the_gpu_only_for_small_grids() -> None:
