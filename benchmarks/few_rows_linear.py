@@ -78,22 +78,20 @@ def main(argv: list[str] | None = None) -> int:
           f"measured read bandwidth {bw:.1f} GB/s")
     rows_out = []
     for model in ("eagle", "draft"):
-        layers = []
-        for name, out, inp in shapes(DEMO / model):
-            w = torch.randn(out, inp).bfloat16().float()  # a bf16 checkpoint in a float32 model
-            layers.append((name, out, inp, torch.ops.mkldnn._reorder_linear_weight(w, 64),
-                           k.few_rows_linear_pack(w), k.few_rows_linear_pack(w.bfloat16())))
+        def layer_set() -> list[tuple]:
+            """(name, out, in, oneDNN packing, kernel fp32 copy, kernel bf16 copy) per layer."""
+            found = []
+            for name, out, inp in shapes(DEMO / model):
+                w = torch.randn(out, inp).bfloat16().float()  # a bf16 checkpoint in float32
+                found.append((name, out, inp, torch.ops.mkldnn._reorder_linear_weight(w, 64),
+                              k.few_rows_linear_pack(w), k.few_rows_linear_pack(w.bfloat16())))
+            return found
+
+        layers = layer_set()
         # copies of the model's layers enough to overflow the caches: a pass over the next copy
         # finds its weights in memory, as a proposer's first pass after the target's forward
         fp32_bytes = sum(o * i * 4 for _, o, i, *_ in layers)
-        copies = [layers] + [[(n, o, i, torch.ops.mkldnn._reorder_linear_weight(
-            torch.randn(o, i).bfloat16().float(), 64), None, None) for n, o, i, *_ in layers]
-            for _ in range(max(1, (96 << 20) // fp32_bytes))]
-        for c in copies[1:]:
-            for j, (n, o, i, dnn, _, _) in enumerate(c):
-                w = torch.randn(o, i).bfloat16().float()
-                c[j] = (n, o, i, dnn, k.few_rows_linear_pack(w),
-                        k.few_rows_linear_pack(w.bfloat16()))
+        copies = [layers] + [layer_set() for _ in range(max(1, (96 << 20) // fp32_bytes))]
         for rows in (1, 5):
             routes = {
                 "oneDNN": lambda x, L: torch.ops.mkldnn._linear_pointwise(x, L[3], None, "none",
