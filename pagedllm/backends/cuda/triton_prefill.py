@@ -36,13 +36,14 @@ Runs on CPU tensors under TRITON_INTERPRET=1 (how the tests exercise it without 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import os
 
+import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    import torch
+from pagedllm import envs
 
 
 @triton.jit
@@ -219,6 +220,13 @@ def choose_num_splits(programs: int, max_context_len: int, multiprocessors: int)
                       max_context_len // MIN_SPLIT_TOKENS))
 
 
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    """The SM count of CUDA device ``index`` (None: the current one), asked once per device."""
+    return torch.cuda.get_device_properties(
+        torch.cuda.current_device() if index is None else index).multi_processor_count
+
+
 def _block_sizes(head_pad: int, elem_bytes: int, interpret: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N). On the GPU: tiles whose shared memory fits an A100 (163 KB) and an H100;
     float32 tiles are halved. The interpreter gets small tiles (it runs them with numpy)."""
@@ -263,10 +271,6 @@ def context_attention_fwd(
     (``choose_num_splits``); num_splits: force a split count (tests; 1: never split).
     Returns out.
     """
-    import os
-
-    import torch
-
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = query_start_loc.shape[0] - 1
@@ -291,11 +295,12 @@ def context_attention_fwd(
         raise ValueError(f"soft_cap={soft_cap!r} must be a positive number or None")
     if num_seqs <= 0 or num_tokens == 0:
         return out
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if validate and not torch.equal(seq_lens.long(), context_lens.long() + query_lens.long()):
-        raise ValueError("seq_lens must equal context_lens + query lengths")
-    if max_query_len is None:
-        max_query_len = int(query_lens.max().item())
+    if validate or max_query_len is None:  # device work and a sync: never on the engine's path
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if validate and not torch.equal(seq_lens.long(), context_lens.long() + query_lens.long()):
+            raise ValueError("seq_lens must equal context_lens + query lengths")
+        if max_query_len is None:
+            max_query_len = int(query_lens.max().item())
     if max_query_len <= 0:
         return out
 
@@ -307,9 +312,7 @@ def context_attention_fwd(
     precise = q.dtype == torch.float32 or upcast
     q_blocks = triton.cdiv(max_query_len, block_m)
     if num_splits is None:
-        from pagedllm import envs
-
-        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = (_multiprocessors(q.device.index)
                if q.is_cuda and not interpret and envs.PAGEDLLM_CUDA_PREFILL_SPLIT else 0)
         num_splits = choose_num_splits(num_seqs * num_heads * q_blocks, max_context_len or 0, sms)
     if not 1 <= num_splits <= MAX_SPLITS:
