@@ -62,6 +62,11 @@ def speculative_config(method: str) -> dict[str, Any] | None:
     raise ValueError(f"--method {method!r}: allowed values are {', '.join(METHODS)}")
 
 
+def default_waves(batch: int, asked: int) -> int:
+    """Waves of ``batch`` requests a run measures: ``asked``, else 8 at batch 1 and 4 above."""
+    return asked or (8 if batch == 1 else 4)
+
+
 def heldout_prompts(count: int, prompt_len: int, seed: int, stdlib: str | None) -> list[list[int]]:
     """``count`` windows of ``prompt_len`` tokens from the held-out stdlib files (demo split)."""
     import demo_data
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--waves", type=int, default=0,
-                   help="waves per batch size (default: 8 at batch 1, 4 at 8, 2 at 32+)")
+                   help="waves per batch size (default: 8 at batch 1, 4 at 8 and above: two waves at 32 ran ~6 s, too short on a noisy 2-core machine)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--stdlib", default=None, help="the stdlib folder the split is taken from")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON"))
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batch or [1, 8, 32]
     engines = args.engine or ["pagedllm", "vllm"]
     waves = args.waves or 8
-    need = max(b * (args.waves or (8 if b == 1 else 4 if b <= 8 else 2)) for b in batches)
+    need = max(b * default_waves(b, args.waves) for b in batches)
     prompts = heldout_prompts(need + max(batches), args.prompt_len, 0, args.stdlib)
     spec = {"prompts": prompts[:need], "warmup": prompts[need:], "output_len": args.output_len,
             "batches": batches, "dtype": args.dtype, "waves": waves,
@@ -393,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         by_key: dict[tuple[str, str], dict[str, Any]] = {
             (e, m): {"engine": e, "method": m, "batches": {}} for e in engines for m in methods}
         for b in batches:
-            waves_b = args.waves or (8 if b == 1 else 4 if b <= 8 else 2)
+            waves_b = default_waves(b, args.waves)
             for method in methods:
                 for engine in engines:
                     result = by_key[(engine, method)]

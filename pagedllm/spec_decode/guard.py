@@ -18,7 +18,11 @@ What keeps one bad measurement from deciding for long:
   stops following while the guard prefers no speculation, so exploration steps then carry no
   drafts and speculation is never measured again; a bucket whose speculation measurement is
   older than ``remeasure_after`` of its steps (a quarter of that below 8 sequences when it was
-  within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh;
+  within ``CLOSE`` of plain) forgets it, so the next steps measure it afresh; each time the
+  rate it forgets had lost to plain by more than ``CLOSE``, that bucket's period doubles (up to
+  ``MAX_BACKOFF`` times): re-measuring a device proposer means following a whole new wave of
+  sequences (its pass over their prompts, mirroring their steps), which a loaded server whose
+  speculation keeps losing should not pay every ``remeasure_after`` steps;
 - below 8 sequences a new request makes a bucket forget a speculation rate that lost to plain
   (``new_sequences``): acceptance belongs to the prompt, not to the bucket.
 
@@ -45,6 +49,7 @@ FAR_AHEAD = 2.0  # a mode this many times faster is explored against 4x less oft
 # within CLOSE of plain is measured again 4x sooner; a large batch pays more to look again
 CLOSE, CLOSE_BUCKETS = 1.25, 3
 WINDOW = 16  # the steps a mode's rate is measured over
+MAX_BACKOFF = 4  # a speculation rate that lost by far again goes stale after up to 16x the steps
 
 
 def _bucket(batch_size: int) -> int:
@@ -96,6 +101,9 @@ class SpecGuard:
     _steps: dict[int, int] = field(default_factory=dict)
     _seen: dict[tuple[int, bool], int] = field(default_factory=dict)  # record calls per key
     _last_spec: dict[int, int] = field(default_factory=dict)  # step of the last spec sample
+    # per bucket: re-measurements in a row that found speculation slower by far (the stale
+    # period doubles with each, up to MAX_BACKOFF doublings)
+    _backoff: dict[int, int] = field(default_factory=dict)
 
     def speculate(self, batch_size: int) -> bool:
         """Whether the next step of ``batch_size`` running sequences speculates."""
@@ -108,10 +116,16 @@ class SpecGuard:
         self._steps[b] = n + 1
         on = self._rates.get((b, True), _Rate())
         off = self._rates.get((b, False), _Rate())
-        stale = self.remeasure_after
-        if b <= CLOSE_BUCKETS and on.value * CLOSE >= off.value:
+        close = on.value * CLOSE >= off.value
+        stale = self.remeasure_after << self._backoff.get(b, 0)
+        if b <= CLOSE_BUCKETS and close:
             stale //= 4  # a near miss at a small batch (one hard prompt): look again sooner
         if n - self._last_spec.get(b, n) > stale:
+            if on.samples >= self.min_samples and off.samples >= self.min_samples:
+                # lost by far again: look less often (a re-measurement makes the proposer
+                # follow a whole new wave); a near miss or a win: the base period again
+                self._backoff[b] = (min(MAX_BACKOFF, self._backoff.get(b, 0) + 1)
+                                    if not close else 0)
             self._rates.pop((b, True), None)  # stale: measure speculation again
             self._last_spec[b] = n
         on, off = (self._rates.get((b, mode), _Rate()) for mode in (True, False))

@@ -170,3 +170,28 @@ def test_a_one_time_charge_weighs_as_its_share_of_a_window() -> None:
         g.record(1, True, 2, 0.0087)
     assert g.prefers(1)
     assert _run(g, 1, spec_rate=230, plain_rate=176, steps=64) > 0.9
+
+
+def test_a_rate_that_keeps_losing_by_far_is_measured_again_less_often() -> None:
+    """Each re-measurement of a device proposer follows a whole new wave (its prompt pass and
+    mirroring): at batch 32 where speculation runs at half plain's rate, the stale period
+    doubles with each re-measurement that confirms it; a near miss keeps the base period, and
+    a re-measurement that finds speculation faster switches it back on."""
+
+    def episodes(g: SpecGuard, spec_rate: float, steps: int) -> int:
+        count, was = 0, False
+        for _ in range(steps):
+            s = g.speculate(32) and g.prefers(32)  # no drafts unless the guard prefers spec
+            count += s and not was
+            was = s
+            g.record(32, s, 100, 100 / (spec_rate if s else 100))
+        return count
+
+    far = SpecGuard()
+    assert _run(far, 32, spec_rate=50, plain_rate=100, steps=100) < 0.15
+    assert episodes(far, 50, 12_000) <= 5  # 512, 1024, 2048, 4096 steps apart (and no more)
+    near = SpecGuard()
+    assert _run(near, 32, spec_rate=90, plain_rate=100, steps=100) < 0.5
+    assert episodes(near, 90, 12_000) >= 15  # every ~512 steps
+    assert episodes(far, 300, 16_000) >= 1  # the longest period still looks again
+    assert _run(far, 32, spec_rate=300, plain_rate=100, steps=200) > 0.9
