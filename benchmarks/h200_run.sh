@@ -31,7 +31,7 @@
 #   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
 #   bash benchmarks/h200_run.sh kvoff        # issue 45: host tier vs recompute vs device prefix
 #                                            # hits, 64 docs x 4k tokens
-#   bash benchmarks/h200_run.sh kvsplit      # the same with the prefill's context split
+#   bash benchmarks/h200_run.sh kvnosplit    # the same with the prefill's context split off
 #
 # Arguments after the stage go to throughput.py (e.g. throughput --max-num-seqs 512).
 # Several stages in one device call, with a deadline and a summary: benchmarks/gpu_batch.sh.
@@ -182,15 +182,15 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
       --config device \
       --output-json "$OUT/kv_offload.json" "${@:2}" 2>&1 | tee "$OUT/kv_offload.log" | tail -10
     ;;
-  kvsplit)
-    # issue 45: the same host-tier workload with the prefill's context split (after kvoff in one
-    # call: the same card, so the two TTFTs compare)
+  kvnosplit)
+    # issue 45: the host-tier workload with the prefill's context split off (after kvoff in one
+    # call: the same card, so the TTFTs compare; the split is on by default since 2026-12-08)
     model
-    PAGEDLLM_CUDA_PREFILL_SPLIT=1 timeout 480 python benchmarks/kv_offload.py --device cuda \
+    PAGEDLLM_CUDA_PREFILL_SPLIT=0 timeout 480 python benchmarks/kv_offload.py --device cuda \
       --model "$MODEL" --docs 64 --doc-tokens 4096 --device-docs 8 --disagg-requests 0 \
       --config host --config device \
-      --output-json "$OUT/kv_offload_split.json" "${@:2}" 2>&1 | tee "$OUT/kv_offload_split.log" \
-      | tail -10
+      --output-json "$OUT/kv_offload_nosplit.json" "${@:2}" 2>&1 \
+      | tee "$OUT/kv_offload_nosplit.log" | tail -10
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -136,9 +136,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
          "the csrc GEMV for one-token linears on sm_90+ (off: cuBLAS / hipBLAS)"),
     _var("PAGEDLLM_PROGRAMMATIC_LAUNCH", bool, True,
          "programmatic dependent launch of the csrc kernels on sm_90+"),
-    _var("PAGEDLLM_CUDA_PREFILL_SPLIT", bool, False,
+    _var("PAGEDLLM_CUDA_PREFILL_SPLIT", bool, True,
          "the Triton prefill splits a long cached context across programs when its grid is "
-         "small (a short question over a long prefix); off until measured on a GPU"),
+         "small (a short question over a long prefix; off: one program walks the whole "
+         "context)"),
     # --- cpu -------------------------------------------------------------------------------
     _var("PAGEDLLM_CPU_KERNELS", bool, True, _CPU_KERNELS_DOC),
     _var("PAGEDLLM_CPU_OMP_THREADS_BIND", str, "nobind",

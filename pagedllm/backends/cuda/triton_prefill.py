@@ -21,12 +21,11 @@ issue 45's question over a host-tier prefix spent 0.23 ms a layer there). The ca
 then cut into ``num_splits`` ranges, a program per (query block, range) writes its unnormalized
 partial (running max, sum, output) to a float32 scratch, the last range's program also the new
 tokens, and ``_combine_splits_kernel`` merges the partials as the online softmax would have.
-With ``PAGEDLLM_CUDA_PREFILL_SPLIT=1``, ``context_attention_fwd`` splits by itself when the
-grid is under twice the GPU's SMs and the longest context holds ``MIN_SPLIT_TOKENS`` per range
-(``max_context_len`` given); never under the interpreter unless asked. Off by default until a
-GPU measures it: the 19:33 H100 profile had that prefill waiting ~0.3 ms a layer on the host's
-launches, where a shorter kernel saves nothing and the combine launch and scratch cost host
-time.
+``context_attention_fwd`` splits by itself when the grid is under twice the GPU's SMs and the
+longest context holds ``MIN_SPLIT_TOKENS`` per range (``max_context_len`` given); never under
+the interpreter unless asked, nor with ``PAGEDLLM_CUDA_PREFILL_SPLIT=0``. Measured on an H100
+(2026-12-08 00:03, benchmarks/RESULTS.md): a host-tier hit's TTFT p50 26.2 -> 20.0 ms, a device
+prefix hit's 17.6 -> 16.0 ms (Llama-3-8B shape, 32-token questions over 4k cached tokens).
 
 Optional features (constexpr switches, so plain layers compile without them): a sliding window (the
 query at absolute position p sees keys at positions > p - window; key tiles wholly before every
