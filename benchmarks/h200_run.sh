@@ -26,6 +26,8 @@
 #   bash benchmarks/h200_run.sh spec         # issue 43: step graphs' tests, verification step (k=4)
 #                                            # vs decode step (graphs, eager) at batch 1 and 64,
 #                                            # + every method's tokens and speed vs none on cuda
+#   bash benchmarks/h200_run.sh spectests    # issue 43: the step graphs' tests alone (every method's
+#                                            # greedy tokens equal to plain decoding's on the GPU)
 #   bash benchmarks/h200_run.sh specprof     # issue 43: the verification step's cost with torch
 #                                            # profiler tables: demo fp32 / bf16, 8B shape bf16
 #   bash benchmarks/h200_run.sh lora         # issue 44: 8 adapters vs base, Llama-3-8B shape, 256
@@ -146,6 +148,10 @@ case "${1:?stage: tests|kernel|throughput|alone|steps|latency|conformance|profil
     timeout 260 python benchmarks/spec_decode.py --device cuda --engine pagedllm --method none \
       --method ngram --method draft --method eagle --batch 1 --batch 8 --waves 2 \
       --output-json "$OUT/spec_cuda.json" 2>&1 | grep -v "^20" | tee "$OUT/spec_cuda.log" | tail -12
+    ;;
+  spectests)
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/backends/test_cuda_spec_graphs.py \
+      --durations=3 2>&1 | tee "$OUT/spec_graphs.log" | tail -6
     ;;
   specprof)
     # the verification step's cost, profiled: the demo model in float32 (the recorded figure)
