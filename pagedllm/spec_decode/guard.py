@@ -49,6 +49,9 @@ FAR_AHEAD = 2.0  # a mode this many times faster is explored against 4x less oft
 # within CLOSE of plain is measured again 4x sooner; a large batch pays more to look again
 CLOSE, CLOSE_BUCKETS = 1.25, 3
 WINDOW = 16  # the steps a mode's rate is measured over
+# from 8 sequences on, a device proposer starts following a new wave only where speculation
+# was measured at least this much faster
+FOLLOW_MARGIN = 1.1
 MAX_BACKOFF = 4  # a speculation rate that lost by far again goes stale after up to 16x the steps
 
 
@@ -151,6 +154,21 @@ class SpecGuard:
         if off.samples < self.min_samples:
             return True
         return on.value >= off.value
+
+    def follows(self, batch_size: int) -> bool:
+        """Whether a device proposer should start following new sequences that will decode in a
+        batch of ``batch_size``: ``prefers``, and from 8 sequences on, where both modes are
+        measured, speculation ahead by ``FOLLOW_MARGIN``. Following a wave there costs the
+        proposer's pass over all its prompts and its mirroring until the guard gives up on it;
+        a lead within the measurements' noise (a speculation rate taken at a wave's start, over
+        short contexts, against plain steps taken later) is not worth that."""
+        if not self.prefers(batch_size):
+            return False
+        if self.disable_by_batch_size is not None:
+            return True
+        b = _bucket(batch_size)
+        both = self._measured(b) if b > CLOSE_BUCKETS else None
+        return both is None or both[0].value >= FOLLOW_MARGIN * both[1].value
 
     def _measured(self, b: int) -> tuple[_Rate, _Rate] | None:
         on, off = (self._rates.get((b, mode)) for mode in (True, False))

@@ -195,3 +195,24 @@ def test_a_rate_that_keeps_losing_by_far_is_measured_again_less_often() -> None:
     assert episodes(near, 90, 12_000) >= 15  # every ~512 steps
     assert episodes(far, 300, 16_000) >= 1  # the longest period still looks again
     assert _run(far, 32, spec_rate=300, plain_rate=100, steps=200) > 0.9
+
+
+def test_a_new_wave_at_a_large_batch_is_followed_only_for_a_clear_lead() -> None:
+    """Following a new wave costs the proposer's pass over its prompts: at 8+ sequences the
+    guard asks speculation to lead by FOLLOW_MARGIN before the proposer starts following new
+    sequences (a lead within noise flipped the choice from wave to wave and made every other
+    wave pay that pass); below 8, preferring speculation is enough."""
+    from pagedllm.spec_decode.guard import FOLLOW_MARGIN
+
+    for batch, spec_rate, follows in ((32, 105, False), (32, 100 * FOLLOW_MARGIN + 5, True),
+                                      (4, 105, True), (32, 95, False)):
+        g = SpecGuard(explore_every=10**9)  # no exploration: the rates stay as fed
+        for _ in range(20):
+            for mode, rate in ((True, spec_rate), (False, 100)):
+                g.record(batch, mode, 100, 100 / rate)
+        assert g.prefers(batch) == (spec_rate >= 100)
+        assert g.follows(batch) == follows, (batch, spec_rate)
+    fresh = SpecGuard()
+    assert fresh.follows(32)  # nothing measured yet: follow, to measure
+    assert SpecGuard(disable_by_batch_size=64).follows(32)
+    assert not SpecGuard(disable_by_batch_size=16).follows(32)

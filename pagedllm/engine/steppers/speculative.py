@@ -131,8 +131,8 @@ class SpecStepper(Stepper):
 
     def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
         """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
-        a sequence seen for the first time is followed where speculation is the preferred mode
-        now; after UNFOLLOW_AFTER steps in a row where the guard prefers no speculation none is,
+        a sequence seen for the first time is followed where the guard says so
+        (``SpecGuard.follows``: speculation preferred, by a margin at large batches); after UNFOLLOW_AFTER steps in a row where the guard prefers no speculation none is,
         so a loaded engine whose guard keeps speculation off pays nothing for the proposer. (The
         streak counts the guard's preference, not the steps that speculated: its exploration
         step, one in ``explore_every``, would otherwise reset it before it ever ran out.)"""
@@ -144,8 +144,13 @@ class SpecStepper(Stepper):
         self._off_streak = 0 if prefer else self._off_streak + 1
         if self._off_streak == UNFOLLOW_AFTER:
             self._follow = dict.fromkeys(self._follow, False)
+        start = None  # whether new sequences are followed (asked once a step, when one comes)
         for s in sched.batch.seqs:
-            follow = self._follow.setdefault(s.seq_id, prefer)
+            follow = self._follow.get(s.seq_id)
+            if follow is None:
+                if start is None:
+                    start = self.guard.follows(batch_size)
+                follow = self._follow[s.seq_id] = start
             s.proposer_skip = not follow
 
     def _reserve_lookahead(self, sch: SpecScheduler, sched: SchedulerOutput) -> None:
