@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--waves", type=int, default=0,
-                   help="waves per batch size (default: 8 at batch 1, 4 at 8 and above: two waves at 32 ran ~6 s, too short on a noisy 2-core machine)")
+                   help="waves per batch size (default: 8 at batch 1, 4 at 8 and above; two "
+                        "waves at 32 ran ~6 s, too short on a noisy 2-core machine)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--stdlib", default=None, help="the stdlib folder the split is taken from")
     p.add_argument("--vllm-python", default=os.environ.get("PAGEDLLM_BENCH_VLLM_PYTHON"))

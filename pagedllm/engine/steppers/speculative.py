@@ -132,8 +132,9 @@ class SpecStepper(Stepper):
     def _mark_followed(self, sched: SchedulerOutput, speculate: bool, batch_size: int) -> None:
         """Which scheduled sequences the device proposer follows (ScheduledSeq.proposer_skip):
         a sequence seen for the first time is followed where the guard says so
-        (``SpecGuard.follows``: speculation preferred, by a margin at large batches); after UNFOLLOW_AFTER steps in a row where the guard prefers no speculation none is,
-        so a loaded engine whose guard keeps speculation off pays nothing for the proposer. (The
+        (``SpecGuard.follows``: speculation preferred, by a margin at large batches); after
+        UNFOLLOW_AFTER steps in a row where the guard prefers no speculation none is, so a
+        loaded engine whose guard keeps speculation off pays nothing for the proposer. (The
         streak counts the guard's preference, not the steps that speculated: its exploration
         step, one in ``explore_every``, would otherwise reset it before it ever ran out.)"""
         for seq_id in sched.batch.finished_seq_ids:
