@@ -139,20 +139,16 @@ class SpecStepper(Stepper):
         step, one in ``explore_every``, would otherwise reset it before it ever ran out.)"""
         for seq_id in sched.batch.finished_seq_ids:
             self._follow.pop(seq_id, None)
-        if any(s.seq_id not in self._follow for s in sched.batch.seqs):
+        new = any(s.seq_id not in self._follow for s in sched.batch.seqs)
+        if new:
             self.guard.new_sequences(batch_size)  # small batches: their drafts measured afresh
         prefer = self.guard.prefers(batch_size)
         self._off_streak = 0 if prefer else self._off_streak + 1
         if self._off_streak == UNFOLLOW_AFTER:
             self._follow = dict.fromkeys(self._follow, False)
-        start = None  # whether new sequences are followed (asked once a step, when one comes)
+        start = new and self.guard.follows(batch_size)  # what new sequences get
         for s in sched.batch.seqs:
-            follow = self._follow.get(s.seq_id)
-            if follow is None:
-                if start is None:
-                    start = self.guard.follows(batch_size)
-                follow = self._follow[s.seq_id] = start
-            s.proposer_skip = not follow
+            s.proposer_skip = not self._follow.setdefault(s.seq_id, start)
 
     def _reserve_lookahead(self, sch: SpecScheduler, sched: SchedulerOutput) -> None:
         """Slots for the drafts the device proposer makes after this step (it writes their KV
